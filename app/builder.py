@@ -1,0 +1,63 @@
+"""Build the prefix-serve application from its args (``import_path: app.builder:build_app``).
+
+``build_app(args)`` validates ``args`` with ``app.config.AppArgs`` and returns the
+bound Serve application: ``OpenAIIngress`` in front of ``VLLMEngine`` replicas.
+The request router of the engine deployment is set in ``serve_config.yaml`` under
+``deployments: [{name: VLLMEngine, request_router_config: ...}]``; when the config
+does not set one, ``DEFAULT_ROUTER_CLASS`` is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from app.config import parse_app_args
+from app.engine import VLLMEngine
+from app.ingress import OpenAIIngress
+
+DEFAULT_ROUTER_CLASS = "app.router:PrefixAffinityRouter"
+ROUTING_STATS_PERIOD_S = 1.0
+
+
+def router_config(router_class: str = DEFAULT_ROUTER_CLASS, kwargs: dict[str, Any] | None = None) -> RequestRouterConfig:
+    """The engine deployment's ``RequestRouterConfig`` for ``router_class``."""
+    return RequestRouterConfig(
+        request_router_class=router_class,
+        request_router_kwargs=kwargs or {},
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        request_routing_stats_timeout_s=10.0,
+    )
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """Return the bound application; raises ``ValueError`` naming every bad arg."""
+    cfg = parse_app_args(args)
+    er = cfg.engine_replicas
+    tp = cfg.engine.tensor_parallel_size
+    engine_options: dict[str, Any] = dict(
+        num_replicas=er.num_replicas,
+        max_ongoing_requests=er.max_ongoing_requests,
+        request_router_config=router_config(),
+        health_check_period_s=10,
+        health_check_timeout_s=60,
+        graceful_shutdown_timeout_s=60,
+    )
+    if tp > 1:
+        # One bundle per tensor-parallel worker, packed on one node.
+        engine_options["placement_group_bundles"] = [{"CPU": er.num_cpus, "GPU": 1}] + [{"GPU": 1}] * (tp - 1)
+        engine_options["placement_group_strategy"] = "STRICT_PACK"
+        engine_options["ray_actor_options"] = {"num_cpus": er.num_cpus, "num_gpus": 0}
+    else:
+        engine_options["ray_actor_options"] = {"num_cpus": er.num_cpus, "num_gpus": er.num_gpus}
+    engine = VLLMEngine.options(**engine_options).bind(
+        cfg.resolved_model(), cfg.engine.model_dump(), cfg.served_model_name
+    )
+    ir = cfg.ingress_replicas
+    return OpenAIIngress.options(
+        num_replicas=ir.num_replicas,
+        max_ongoing_requests=ir.max_ongoing_requests,
+        ray_actor_options={"num_cpus": ir.num_cpus},
+    ).bind(engine, cfg.model_dump())

@@ -1,0 +1,117 @@
+"""Application arguments: the ``args:`` block of ``serve_config.yaml``.
+
+Every key is validated by pydantic with ``extra="forbid"``, so a typo or a bad value
+fails the deployment at build time with a message naming the key, instead of being
+silently ignored. The same models validate the CPU default (``serve_config.yaml``)
+and the RTX 4090 cluster config (``infra/serve_config.4090.yaml``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConfig(_Strict):
+    """vLLM engine settings for every engine replica (passed to ``AsyncEngineArgs``)."""
+
+    block_size: int = Field(32, ge=1, le=1024, description="KV-cache block size in tokens")
+    max_model_len: int = Field(4096, ge=16, description="context length in tokens (prompt + output)")
+    dtype: str = Field("auto", description="weight/activation dtype, as vLLM's --dtype")
+    quantization: str | None = Field(None, description="e.g. 'awq' for an AWQ checkpoint")
+    tensor_parallel_size: int = Field(1, ge=1, le=8)
+    gpu_memory_utilization: float = Field(
+        0.1, gt=0.0, le=1.0,
+        description="fraction of GPU memory for weights+KV (on the CPU build: of node memory)",
+    )
+    num_gpu_blocks_override: int | None = Field(None, ge=1, description="pin the KV-cache size in blocks")
+    max_num_seqs: int = Field(64, ge=1, description="max requests batched per engine step")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="chunked-prefill token budget per step")
+    enforce_eager: bool = Field(True, description="skip graph capture (CPU and quick starts)")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _fits(self) -> "EngineConfig":
+        if self.num_gpu_blocks_override is not None:
+            capacity = self.num_gpu_blocks_override * self.block_size
+            if capacity < self.max_model_len:
+                raise ValueError(
+                    f"num_gpu_blocks_override * block_size = {capacity} tokens cannot hold "
+                    f"max_model_len = {self.max_model_len}"
+                )
+        return self
+
+
+class ReplicaConfig(_Strict):
+    """Ray resources and count for one deployment's replicas."""
+
+    num_replicas: int = Field(..., ge=1)
+    num_cpus: float = Field(..., gt=0.0)
+    num_gpus: float = Field(0.0, ge=0.0)
+    max_ongoing_requests: int = Field(64, ge=1)
+
+
+class RouterConfig(_Strict):
+    """Knobs of the prefix-affinity request router (see ``routing/policy.py``).
+
+    Given as ``request_router_kwargs`` of the engine deployment's
+    ``request_router_config`` in ``serve_config.yaml``; validated when the router starts.
+    """
+
+    max_indexed_blocks: int = Field(1_000_000, ge=1, description="index cap; least recently used blocks go first")
+    predicted_ttl_s: float = Field(2.0, gt=0.0, description="blind-window lifetime of predicted blocks")
+    load_factor: float = Field(1.25, ge=1.0, description="bounded load: spill above this multiple of mean load")
+    stale_events_s: float = Field(30.0, gt=0.0, description="a replica silent this long with work in flight is routed by load only")
+
+
+class AppArgs(_Strict):
+    """Arguments of the prefix-serve application (``app.builder:build_app``)."""
+
+    model: str = Field("models/tiny-qwen2", description="HF model id or local folder")
+    served_model_name: str = Field("tiny-qwen2", min_length=1, description="the `model` clients send")
+    tokenizer: str | None = Field(None, description="defaults to `model`")
+    engine: EngineConfig = EngineConfig()
+    engine_replicas: ReplicaConfig = ReplicaConfig(num_replicas=2, num_cpus=0.5)
+    ingress_replicas: ReplicaConfig = ReplicaConfig(num_replicas=1, num_cpus=0.25, max_ongoing_requests=256)
+    max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get HTTP 413")
+
+    def resolved_model(self) -> str:
+        """The model as vLLM should load it: a local folder made absolute, else a hub id."""
+        return _resolve_path(self.model)
+
+    def resolved_tokenizer(self) -> str:
+        return _resolve_path(self.tokenizer or self.model)
+
+
+def _resolve_path(name: str) -> str:
+    p = Path(name)
+    if p.is_absolute():
+        return str(p)
+    for base in (Path.cwd(), REPO_ROOT):
+        if (base / p).exists():
+            return str((base / p).resolve())
+    if name.startswith(("models/", "./", "../")):
+        return str((REPO_ROOT / p).resolve())
+    return name
+
+
+def parse_app_args(args: dict[str, Any] | None) -> AppArgs:
+    """Validate the ``args:`` mapping; raises ``ValueError`` with every problem listed."""
+    from pydantic import ValidationError
+
+    try:
+        return AppArgs.model_validate(args or {})
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<args>'}: {err['msg']}" for err in e.errors()
+        )
+        raise ValueError(f"invalid prefix-serve application args: {problems}") from None
+

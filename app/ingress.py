@@ -1,0 +1,406 @@
+"""OpenAI-compatible ingress deployment.
+
+HTTP routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with
+``stream: true`` as server-sent events), ``GET /v1/models``, ``GET /health``.
+Request bodies are validated with vLLM's own protocol models; the prompt is
+tokenized once here (chat template + tokenizer) and sent to an engine replica as
+token ids through the engine ``DeploymentHandle``, whose request router picks the
+replica.
+
+Python handles (from another Ray app, ``serve.get_app_handle("prefix-serve")``):
+
+- ``await handle.chat.remote(body)`` -> ``ChatCompletionResponse``
+- ``handle.options(stream=True).chat_stream.remote(body)`` -> async iterator of
+  ``ChatCompletionStreamResponse``
+- ``await handle.completions.remote(body)`` / ``completions_stream`` likewise.
+
+``body`` is a dict in the OpenAI request shape or vLLM's request model.
+Invalid input raises ``OpenAIError`` (a 4xx status and OpenAI's error JSON over HTTP).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from ray.serve.handle import DeploymentHandle
+
+from app.config import AppArgs
+from app.errors import OpenAIError, error_body
+from app.protocol import EngineOutput, EngineRequest
+
+logger = logging.getLogger("prefix_serve.ingress")
+
+fastapi_app = FastAPI(title="prefix-serve", description="OpenAI-compatible API with prefix-cache-aware routing")
+
+# Errors that mean the chosen engine replica is gone; a request that produced no
+# output yet is sent again (the router then picks a live replica).
+_RETRYABLE = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ReplicaUnavailableError")
+_MAX_ATTEMPTS = 3
+
+
+@fastapi_app.exception_handler(OpenAIError)
+async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@fastapi_app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
+
+
+def _sse(obj: Any) -> str:
+    data = obj.model_dump_json(exclude_unset=False, exclude_none=True) if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+def _caused_by_replica_loss(e: BaseException) -> bool:
+    seen = 0
+    while e is not None and seen < 5:
+        if type(e).__name__ in _RETRYABLE:
+            return True
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return False
+
+
+def _validate(model_cls, body: Any):
+    from pydantic import ValidationError
+    from vllm.exceptions import VLLMClientError
+
+    if isinstance(body, model_cls):
+        return body
+    if not isinstance(body, dict):
+        raise OpenAIError("request body must be a JSON object", 400)
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(p) for p in first.get("loc", ()))
+        raise OpenAIError(f"{loc}: {first.get('msg')}" if loc else str(first.get("msg")), 400, param=loc or None) from None
+    except (ValueError, VLLMClientError) as e:
+        raise OpenAIError(str(e), 400, param=getattr(e, "parameter", None)) from None
+
+
+def _usage(last: EngineOutput):
+    from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo, UsageInfo
+
+    return UsageInfo(
+        prompt_tokens=last.num_prompt_tokens,
+        completion_tokens=last.num_output_tokens,
+        total_tokens=last.num_prompt_tokens + last.num_output_tokens,
+        prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=last.num_cached_tokens),
+    )
+
+
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress(fastapi_app)
+class OpenAIIngress:
+    """Validates, tokenizes and forwards requests to the engine deployment."""
+
+    def __init__(self, engine: DeploymentHandle, args: dict[str, Any]):
+        from transformers import AutoTokenizer
+
+        self.args = AppArgs.model_validate(args)
+        self.engine = engine
+        self.model_name = self.args.served_model_name
+        self.max_model_len = self.args.engine.max_model_len
+        self.tokenizer = AutoTokenizer.from_pretrained(self.args.resolved_tokenizer())
+        self.vocab_size = len(self.tokenizer)
+
+    # ----------------------------------------------------------------- HTTP routes
+
+    @fastapi_app.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @fastapi_app.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
+
+        card = ModelCard(id=self.model_name, root=self.args.model, max_model_len=self.max_model_len, owned_by="prefix-serve")
+        return ModelList(data=[card]).model_dump()
+
+    @fastapi_app.post("/v1/chat/completions")
+    async def http_chat(self, request: Request):
+        body = await self._read_json(request)
+        if body.get("stream"):
+            gen = self.chat_stream(body)
+            return await self._sse_response(gen)
+        return JSONResponse((await self.chat(body)).model_dump(exclude_none=True))
+
+    @fastapi_app.post("/v1/completions")
+    async def http_completions(self, request: Request):
+        body = await self._read_json(request)
+        if body.get("stream"):
+            gen = self.completions_stream(body)
+            return await self._sse_response(gen)
+        return JSONResponse((await self.completions(body)).model_dump(exclude_none=True))
+
+    # --------------------------------------------------------- handle-callable API
+
+    async def chat(self, body: Any):
+        """Unary chat completion. ``body``: dict or ``ChatCompletionRequest``."""
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionResponse,
+            ChatCompletionResponseChoice,
+            ChatMessage,
+        )
+
+        req = self._parse_chat(body)
+        ereq = self._engine_request_chat(req)
+        text, last = await self._collect(ereq)
+        return ChatCompletionResponse(
+            id=ereq.request_id,
+            model=self.model_name,
+            choices=[
+                ChatCompletionResponseChoice(
+                    index=0,
+                    message=ChatMessage(role="assistant", content=text),
+                    finish_reason=last.finish_reason,
+                    stop_reason=last.stop_reason,
+                )
+            ],
+            usage=_usage(last),
+        )
+
+    async def chat_stream(self, body: Any) -> AsyncIterator[Any]:
+        """Streamed chat completion: yields ``ChatCompletionStreamResponse`` chunks."""
+        from vllm.entrypoints.generate.base.protocol import DeltaMessage
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionResponseStreamChoice,
+            ChatCompletionStreamResponse,
+        )
+
+        req = self._parse_chat(body)
+        ereq = self._engine_request_chat(req)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        created = int(time.time())
+        first = True
+        last: EngineOutput | None = None
+        async for out in self._generate(ereq):
+            last = out
+            if not out.text and out.finish_reason is None:
+                continue
+            delta = DeltaMessage(role="assistant", content=out.text) if first else DeltaMessage(content=out.text)
+            first = False
+            yield ChatCompletionStreamResponse(
+                id=ereq.request_id, created=created, model=self.model_name,
+                choices=[ChatCompletionResponseStreamChoice(
+                    index=0, delta=delta, finish_reason=out.finish_reason, stop_reason=out.stop_reason)],
+            )
+        if include_usage and last is not None:
+            yield ChatCompletionStreamResponse(
+                id=ereq.request_id, created=created, model=self.model_name, choices=[], usage=_usage(last))
+
+    async def completions(self, body: Any):
+        """Unary text completion. ``body``: dict or ``CompletionRequest``."""
+        from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice
+
+        req = self._parse_completion(body)
+        ereq = self._engine_request_completion(req)
+        text, last = await self._collect(ereq)
+        return CompletionResponse(
+            id=ereq.request_id, model=self.model_name,
+            choices=[CompletionResponseChoice(index=0, text=text, finish_reason=last.finish_reason, stop_reason=last.stop_reason)],
+            usage=_usage(last),
+        )
+
+    async def completions_stream(self, body: Any) -> AsyncIterator[Any]:
+        """Streamed text completion: yields ``CompletionStreamResponse`` chunks."""
+        from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
+
+        req = self._parse_completion(body)
+        ereq = self._engine_request_completion(req)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        created = int(time.time())
+        last: EngineOutput | None = None
+        async for out in self._generate(ereq):
+            last = out
+            if not out.text and out.finish_reason is None:
+                continue
+            yield CompletionStreamResponse(
+                id=ereq.request_id, created=created, model=self.model_name,
+                choices=[CompletionResponseStreamChoice(
+                    index=0, text=out.text, finish_reason=out.finish_reason, stop_reason=out.stop_reason)],
+            )
+        if include_usage and last is not None:
+            yield CompletionStreamResponse(id=ereq.request_id, created=created, model=self.model_name, choices=[], usage=_usage(last))
+
+    # ------------------------------------------------------------------- internals
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        limit = self.args.max_request_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise OpenAIError(f"request body of {declared} bytes exceeds the limit of {limit} bytes", 413)
+        raw = await request.body()
+        if len(raw) > limit:
+            raise OpenAIError(f"request body of {len(raw)} bytes exceeds the limit of {limit} bytes", 413)
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise OpenAIError(f"request body is not valid JSON: {e}", 400) from None
+        if not isinstance(body, dict):
+            raise OpenAIError("request body must be a JSON object", 400)
+        return body
+
+    async def _sse_response(self, gen: AsyncIterator[Any]) -> StreamingResponse | JSONResponse:
+        # Pull the first chunk before answering so that validation and routing
+        # errors still get their status code instead of a 200 stream.
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            first = None
+
+        async def body():
+            try:
+                if first is not None:
+                    yield _sse(first)
+                async for chunk in gen:
+                    yield _sse(chunk)
+            except OpenAIError as e:
+                yield f"data: {json.dumps(e.body())}\n\n"
+            except Exception as e:  # engine died mid-stream: end the stream with an error event
+                logger.warning("stream ended by error: %s", e)
+                yield f"data: {json.dumps(error_body(f'engine error: {type(e).__name__}', 503))}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(f"The model `{model}` does not exist. Available: `{self.model_name}`.", 404, param="model")
+
+    def _parse_chat(self, body: Any):
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        req = _validate(ChatCompletionRequest, body)
+        self._check_model(req.model)
+        if not req.messages:
+            raise OpenAIError("`messages` must contain at least one message", 400, param="messages")
+        return req
+
+    def _parse_completion(self, body: Any):
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        req = _validate(CompletionRequest, body)
+        self._check_model(req.model)
+        return req
+
+    def _chat_token_ids(self, req) -> list[int]:
+        messages = []
+        for i, m in enumerate(req.messages):
+            m = dict(m)
+            content = m.get("content")
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    part = dict(part)
+                    if part.get("type") != "text":
+                        raise OpenAIError(f"messages[{i}]: only text content is supported", 400, param="messages")
+                    parts.append(str(part.get("text", "")))
+                content = "".join(parts)
+            elif content is None:
+                content = ""
+            elif not isinstance(content, str):
+                raise OpenAIError(f"messages[{i}].content must be a string or a list of text parts", 400, param="messages")
+            role = m.get("role")
+            if not isinstance(role, str) or not role:
+                raise OpenAIError(f"messages[{i}].role is required", 400, param="messages")
+            messages.append({"role": role, "content": content})
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _completion_token_ids(self, req) -> list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise OpenAIError("`prompt` must not be empty", 400, param="prompt")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise OpenAIError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", 400, param="prompt")
+            return list(prompt)
+        if isinstance(prompt, list) and len(prompt) > 1:
+            raise OpenAIError("batched prompts are not supported: send one prompt per request", 400, param="prompt")
+        raise OpenAIError("`prompt` must be a non-empty string or a non-empty list of token ids", 400, param="prompt")
+
+    def _engine_request(self, req, prompt_ids: list[int], prefix: str) -> EngineRequest:
+        if getattr(req, "n", 1) not in (None, 1):
+            raise OpenAIError("only n=1 is supported", 400, param="n")
+        if getattr(req, "use_beam_search", False):
+            raise OpenAIError("beam search is not supported", 400, param="use_beam_search")
+        n_prompt = len(prompt_ids)
+        if n_prompt >= self.max_model_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your prompt has {n_prompt} tokens.", 400, param="messages")
+        requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        if requested is None:
+            max_tokens = self.max_model_len - n_prompt
+        else:
+            if requested < 1:
+                raise OpenAIError(f"max_tokens must be at least 1, got {requested}", 400, param="max_tokens")
+            if n_prompt + requested > self.max_model_len:
+                raise OpenAIError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                    f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} in the completion).",
+                    400, param="max_tokens")
+            max_tokens = requested
+        try:
+            params = req.to_sampling_params(max_tokens, {})
+        except ValueError as e:
+            raise OpenAIError(str(e), 400) from None
+        return EngineRequest(
+            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            cache_salt=req.cache_salt,
+        )
+
+    def _engine_request_chat(self, req) -> EngineRequest:
+        return self._engine_request(req, self._chat_token_ids(req), "chatcmpl")
+
+    def _engine_request_completion(self, req) -> EngineRequest:
+        return self._engine_request(req, self._completion_token_ids(req), "cmpl")
+
+    async def _generate(self, ereq: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Stream from an engine replica; resend on replica loss before any output."""
+        for attempt in range(1, _MAX_ATTEMPTS + 1):
+            produced = False
+            try:
+                gen = self.engine.options(stream=True).generate.remote(ereq)
+                async for out in gen:
+                    produced = True
+                    yield out
+                return
+            except Exception as e:
+                if produced or attempt == _MAX_ATTEMPTS or not _caused_by_replica_loss(e):
+                    if isinstance(e, ValueError):
+                        raise OpenAIError(str(e), 400) from None
+                    raise
+                logger.warning("engine replica lost before first output (%s); attempt %d", type(e).__name__, attempt)
+                ereq.request_id = f"{ereq.request_id.split('~')[0]}~{attempt}"
+
+    async def _collect(self, ereq: EngineRequest) -> tuple[str, EngineOutput]:
+        parts: list[str] = []
+        last: EngineOutput | None = None
+        async for out in self._generate(ereq):
+            parts.append(out.text)
+            last = out
+        if last is None:
+            raise OpenAIError("the engine returned no output", 500)
+        return "".join(parts), last
+

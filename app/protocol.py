@@ -1,0 +1,54 @@
+"""What the ingress sends to an engine replica and what comes back.
+
+These are the arguments of ``VLLMEngine.generate`` as seen through a Serve
+``DeploymentHandle``; the request router reads ``EngineRequest`` (token ids,
+``cache_salt``, LoRA name) to compute the request's block keys. They are plain
+dataclasses so a router process can read them without importing vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One generation request, already tokenized by the ingress.
+
+    Attributes:
+        request_id: unique id, also used as vLLM's request id.
+        prompt_token_ids: the full prompt (chat template applied), shape ``[n_prompt]``.
+        sampling_params: a ``vllm.SamplingParams`` built by the ingress (kept as
+            ``Any`` so this module does not import vLLM).
+        cache_salt: tenant salt; blocks under different salts never match.
+        lora_name: LoRA adapter name, or None for the base model.
+        trace_headers: W3C trace-context headers (``traceparent``/``tracestate``).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    trace_headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """One streamed delta from an engine replica.
+
+    ``text``/``token_ids`` are the new output since the previous delta. Counts are
+    cumulative for the request. ``num_cached_tokens`` is the engine's own count of
+    prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    replica_id: str
+    text: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
