@@ -20,19 +20,20 @@ from typing import Any
 
 from ray import serve
 
-from app.protocol import EngineOutput, EngineRequest
+from app.protocol import (
+    STAT_BLOCK_SIZE,
+    STAT_EVENTS_ENDPOINT,
+    STAT_KV_USAGE,
+    STAT_NUM_RUNNING,
+    STAT_NUM_WAITING,
+    STAT_REPLAY_ENDPOINT,
+    STAT_REPLICA_ID,
+    STAT_STARTED_AT,
+    EngineOutput,
+    EngineRequest,
+)
 
 logger = logging.getLogger("prefix_serve.engine")
-
-# Keys of the routing stats dict (read by app/router.py).
-STAT_REPLICA_ID = "replica_id"
-STAT_EVENTS_ENDPOINT = "kv_events_endpoint"
-STAT_REPLAY_ENDPOINT = "kv_replay_endpoint"
-STAT_BLOCK_SIZE = "block_size"
-STAT_NUM_RUNNING = "num_running"
-STAT_NUM_WAITING = "num_waiting"
-STAT_KV_USAGE = "kv_cache_usage"
-STAT_STARTED_AT = "engine_started_at"
 
 
 def _make_load_logger(sink: dict[str, float]):

@@ -122,6 +122,24 @@ class OpenAIIngress:
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
 
+    @fastapi_app.get("/debug/routing")
+    async def debug_routing(self) -> dict[str, Any]:
+        """Index and event-path state of every request router in this ingress process."""
+        from app.metrics import ROUTERS
+
+        return {"routers": [r.snapshot() for r in list(ROUTERS)]}
+
+    @fastapi_app.get("/debug/routing/decisions/{request_id}")
+    async def debug_decision(self, request_id: str) -> dict[str, Any]:
+        """How the request with this response ``id`` was routed (recent requests only)."""
+        from app.metrics import ROUTERS
+
+        for router in list(ROUTERS):
+            decision = router.decisions.get(request_id)
+            if decision is not None:
+                return decision
+        raise OpenAIError(f"no routing decision recorded for request `{request_id}`", 404)
+
     @fastapi_app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList

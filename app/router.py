@@ -1,0 +1,241 @@
+"""Ray Serve glue for the prefix-affinity request router.
+
+``PrefixAffinityRouter`` is selected in ``serve_config.yaml`` as the engine
+deployment's ``request_router_class``. Every instance (one per handle, in every
+process that calls the engine deployment) builds the full cluster index from the
+engines' KV events (``routing.subscriber``), and for each request:
+
+1. computes the prompt's block keys (``routing.block_keys``: token ids,
+   ``cache_salt`` on the first block, LoRA name on every block);
+2. asks the index how many leading blocks every candidate holds;
+3. lets ``routing.policy.choose_replica`` (a pure function) pick the replica with
+   the lowest predicted TTFT under bounded load, from the router's own in-flight
+   accounting corrected by the engines' routing stats;
+4. returns ``[[chosen], [the rest, cheapest first]]`` so Serve falls through to the
+   next rank if the chosen replica's queue is full.
+
+When the request is sent, its blocks are recorded on that replica as predicted
+(blind window, ``predicted_ttl_s``) until the engine's BlockStored confirms them.
+``choose_replicas`` never raises: any error falls back to a random order of the
+candidates and is counted (``prefix_serve_router_fallbacks_total``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+from ray.serve._private.request_router.common import PendingRequest
+from ray.serve._private.request_router.replica_wrapper import RunningReplica
+from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+
+from app import protocol as stats_keys
+from app.config import RouterConfig
+from app import metrics
+from app.protocol import EngineRequest
+from routing.block_keys import block_keys
+from routing.index import BlockIndex
+from routing.policy import PolicyConfig, ReplicaView, RoutingRequest, cached_tokens, choose_replica
+from routing.subscriber import EventSubscriber
+
+logger = logging.getLogger("prefix_serve.router")
+# Ray Serve pickles this module BY VALUE into every process that routes: keep
+# shared state (metrics, the router registry) in app.metrics and reach it through
+# the module (``metrics.X``): module-level objects here would be copied, not shared.
+
+
+class PrefixAffinityRouter(FIFOMixin, RequestRouter):
+    """Routes each request to the replica with the lowest predicted TTFT (see module doc)."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.cfg = RouterConfig.model_validate(kwargs)
+        self.policy = PolicyConfig(load_epsilon=self.cfg.load_factor - 1.0)
+        self.lock = threading.Lock()
+        self.index = BlockIndex(max_blocks=self.cfg.max_indexed_blocks)
+        self.subscriber = EventSubscriber(self.index, self.lock)
+        self.rng = random.Random()
+        # replica unique id -> {internal request id: uncached prompt tokens}
+        self.inflight: dict[str, dict[str, int]] = {}
+        self.sent_at: dict[str, float] = {}  # replica -> last time a request was sent
+        self._pending: dict[str, tuple[list[int], int, int, Any]] = {}  # internal id -> (keys, prompt_len, block_size, decision)
+        self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()  # EngineRequest.request_id -> decision
+        metrics.ROUTERS.add(self)
+
+    # ------------------------------------------------------------- replica set changes
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        if not hasattr(self, "subscriber"):
+            return
+        live = {r.replica_id.unique_id for r in replicas}
+        for r in replicas:
+            self._follow(r)
+        for gone in set(self.inflight) - live:
+            self._forget(gone)
+        for gone in set(self.subscriber.endpoints()) - live:
+            self._forget(gone)
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        if hasattr(self, "subscriber"):
+            self._forget(replica_id.unique_id)
+
+    def _forget(self, uid: str) -> None:
+        self.subscriber.remove_replica(uid)
+        self.inflight.pop(uid, None)
+        self.sent_at.pop(uid, None)
+
+    def _follow(self, r: RunningReplica) -> None:
+        stats = r.routing_stats or {}
+        events = stats.get(stats_keys.STAT_EVENTS_ENDPOINT)
+        if events:
+            uid = r.replica_id.unique_id
+            if self.subscriber.endpoints().get(uid) != events:
+                self.subscriber.set_replica(uid, events, stats.get(stats_keys.STAT_REPLAY_ENDPOINT))
+
+    # ----------------------------------------------------------------------- routing
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            if pending_request is not None:
+                pending_request.routing_context.should_backoff = True
+            return []
+        try:
+            return self._choose(candidate_replicas, pending_request)
+        except Exception as e:  # never leave a request hanging on a router bug
+            metrics.FALLBACKS.labels(cause=type(e).__name__).inc()
+            logger.exception("prefix-affinity routing failed; falling back to load-only order")
+            order = list(candidate_replicas)
+            self.rng.shuffle(order)
+            return [order]
+
+    def _choose(self, candidates: list[RunningReplica], pending: PendingRequest | None) -> list[list[RunningReplica]]:
+        t0 = time.perf_counter()
+        request = pending.args[0] if pending is not None and pending.args else None
+        if not isinstance(request, EngineRequest):
+            # Not a generate call (health checks, admin methods): least in-flight first.
+            return [sorted(candidates, key=lambda r: len(self.inflight.get(r.replica_id.unique_id, ())))]
+        block_size = self._block_size(candidates)
+        if block_size is None:
+            metrics.FALLBACKS.labels(cause="no_routing_stats").inc()
+            order = list(candidates)
+            self.rng.shuffle(order)
+            return [order]
+        for r in candidates:
+            self._follow(r)
+        internal_id = pending.metadata.internal_request_id
+        cached = self._pending.get(internal_id)
+        keys = cached[0] if cached else block_keys(
+            request.prompt_token_ids, block_size, cache_salt=request.cache_salt, lora_name=request.lora_name)
+        uids = tuple(r.replica_id.unique_id for r in candidates)
+        now = time.time()
+        with self.lock:
+            matches = self.index.match(keys, uids, now)
+        views = []
+        for r, uid in zip(candidates, uids):
+            stats = r.routing_stats or {}
+            matched = matches.get(uid, 0)
+            if matched and self._events_stalled(uid, now):
+                metrics.FALLBACKS.labels(cause="stale_events").inc()
+                matched = 0
+            inflight = self.inflight.get(uid, {})
+            views.append(ReplicaView(
+                replica_id=uid,
+                matched_blocks=matched,
+                inflight_requests=len(inflight),
+                queued_prefill_tokens=sum(inflight.values()),
+                num_running=stats.get(stats_keys.STAT_NUM_RUNNING),
+                num_waiting=stats.get(stats_keys.STAT_NUM_WAITING),
+                kv_cache_usage=stats.get(stats_keys.STAT_KV_USAGE),
+                max_ongoing_requests=r.max_ongoing_requests,
+            ))
+        prompt_len = len(request.prompt_token_ids)
+        decision = choose_replica(RoutingRequest(prompt_len, block_size), views, self.policy, self.rng)
+        self._pending[internal_id] = (keys, prompt_len, block_size, decision)
+        by_uid = dict(zip(uids, candidates))
+        rest = sorted((u for u in uids if u != decision.replica_id), key=lambda u: decision.costs.get(u, 0.0))
+        metrics.ROUTING_SECONDS.observe(time.perf_counter() - t0)
+        return [[by_uid[decision.replica_id]], [by_uid[u] for u in rest]] if rest else [[by_uid[decision.replica_id]]]
+
+    def _block_size(self, candidates: list[RunningReplica]) -> int | None:
+        for r in candidates:
+            bs = (r.routing_stats or {}).get(stats_keys.STAT_BLOCK_SIZE)
+            if bs:
+                return int(bs)
+        return None
+
+    def _events_stalled(self, uid: str, now: float) -> bool:
+        """Requests went there after its last event batch, and none came for a while."""
+        last = self.subscriber.last_event_at(uid)
+        sent = self.sent_at.get(uid)
+        if last is None or sent is None:
+            return False
+        return sent > last and now - sent > self.cfg.stale_events_s
+
+    # ------------------------------------------------------------ request lifecycle
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        internal_id = pending_request.metadata.internal_request_id
+        entry = self._pending.pop(internal_id, None)
+        uid = replica_id.unique_id
+        self.sent_at[uid] = time.time()
+        if entry is None:
+            self.inflight.setdefault(uid, {})[internal_id] = 0
+            return
+        keys, prompt_len, block_size, decision = entry
+        now = time.time()
+        with self.lock:
+            matched = self.index.match(keys, (uid,), now).get(uid, 0)
+            if keys:
+                self.index.predict(uid, keys, now, self.cfg.predicted_ttl_s)
+            metrics.INDEXED_BLOCKS.set(self.index.num_keys)
+        predicted = cached_tokens(matched, prompt_len, block_size)
+        self.inflight.setdefault(uid, {})[internal_id] = prompt_len - predicted
+        reason = decision.reason if uid == decision.replica_id else "fallthrough"
+        metrics.DECISIONS.labels(reason=reason).inc()
+        metrics.PROMPT_TOKENS.inc(prompt_len)
+        metrics.PREDICTED_CACHED.inc(predicted)
+        request = pending_request.args[0]
+        self.decisions[request.request_id] = {
+            "replica_id": uid,
+            "reason": reason,
+            "matched_tokens": predicted,
+            "best_alternative_matched_tokens": decision.best_alternative_matched_tokens,
+            "predicted_ttft_s": decision.costs.get(uid),
+            "prompt_tokens": prompt_len,
+            "candidates": len(decision.costs),
+            "index_staleness_s": self._staleness(uid),
+        }
+        while len(self.decisions) > metrics.RECENT_DECISIONS_MAX:
+            self.decisions.popitem(last=False)
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self.inflight.get(replica_id.unique_id, {}).pop(internal_request_id, None)
+        self._pending.pop(internal_request_id, None)
+
+    def _staleness(self, uid: str) -> float | None:
+        last = self.subscriber.last_event_at(uid)
+        return None if last is None else max(0.0, time.time() - last)
+
+    # ---------------------------------------------------------------- introspection
+
+    def snapshot(self) -> dict[str, Any]:
+        """State for operators and tests: per-replica blocks, lag, counters."""
+        with self.lock:
+            per_replica = {uid: self.index.replica_blocks(uid) for uid in self.index.replicas()}
+            snap = {
+                "indexed_blocks": self.index.num_keys,
+                "index_bytes": self.index.memory_bytes(),
+                "replica_blocks": per_replica,
+                "index_stats": self.index.stats.as_dict(),
+            }
+        snap["subscribed"] = self.subscriber.endpoints()
+        snap["events"] = self.subscriber.stats.as_dict()
+        snap["inflight"] = {uid: len(v) for uid, v in self.inflight.items()}
+        return snap

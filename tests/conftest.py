@@ -1,0 +1,121 @@
+"""Shared test harness: start the real application on a real local Ray cluster.
+
+Engine tests (marked ``engine``) share one Serve app per test module through
+``start_app``; Ray is started with 2 CPUs (the replicas use fractional CPUs) and
+stopped when the module ends.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TEST_HTTP_PORT = int(os.environ.get("PREFIX_SERVE_TEST_PORT", "18000"))
+BASE_URL = f"http://127.0.0.1:{TEST_HTTP_PORT}"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def default_config() -> dict[str, Any]:
+    """The ``applications[0]`` entry of the repo's ``serve_config.yaml``."""
+    with open(REPO / "serve_config.yaml", encoding="utf-8") as f:
+        return yaml.safe_load(f)["applications"][0]
+
+
+def deep_update(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in overrides.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_update(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+class RunningApp:
+    """A running prefix-serve app: base URL, model name and the Serve app name."""
+
+    def __init__(self, name: str, args: dict[str, Any]):
+        self.name = name
+        self.args = args
+        self.base_url = BASE_URL
+        self.model = args.get("served_model_name", "tiny-qwen2")
+
+    def openai(self):
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def start_app(arg_overrides: dict[str, Any] | None = None, name: str = "prefix-serve",
+              router: dict[str, Any] | None = None) -> RunningApp:
+    """Deploy the repo's ``serve_config.yaml`` the way ``serve run`` does, on loopback.
+
+    ``arg_overrides`` update the application ``args``; ``router`` replaces the engine
+    deployment's ``request_router_config``. The app is built by the Serve controller
+    from the config, so the YAML path users run is the one under test.
+    """
+    import ray
+    from ray.serve._private import api as serve_api
+    from ray.serve.schema import ServeDeploySchema
+
+    entry = default_config()
+    entry["name"] = name
+    entry["args"] = deep_update(entry["args"], arg_overrides or {})
+    if router is not None:
+        entry["deployments"][0]["request_router_config"] = router
+    config = ServeDeploySchema.model_validate({
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": TEST_HTTP_PORT},
+        "applications": [entry],
+    })
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    client = serve_api.serve_start(http_options={"host": "127.0.0.1", "port": TEST_HTTP_PORT})
+    client.deploy_apps(config, _blocking=False)
+    _wait_ready(name)
+    return RunningApp(name, entry["args"])
+
+
+def _wait_ready(name: str, timeout_s: float = 600.0) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(name)
+        if status is not None and status.status == "RUNNING":
+            try:
+                if httpx.get(f"{BASE_URL}/health", timeout=10).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+        if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise RuntimeError(f"app {name} failed: {status.message}")
+        time.sleep(1.0)
+    raise TimeoutError(f"app {name} not ready after {timeout_s} s")
+
+
+def stop_all() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(REPO / "models" / "tiny-qwen2"))

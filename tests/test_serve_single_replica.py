@@ -1,0 +1,168 @@
+"""The application on ONE real vLLM CPU engine replica, driven by the official client.
+
+One Serve app for the whole module (engine start is the slow part). Expected
+values are computed here from first principles: a prefix-cache hit covers the
+full ``block_size`` blocks a prompt shares with an earlier one, and vLLM never
+serves the last prompt token from cache (it must compute at least one token).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.conftest import start_app, stop_all
+
+pytestmark = pytest.mark.engine
+
+BLOCK = 32  # serve_config.yaml engine.block_size
+
+
+@pytest.fixture(scope="module")
+def app():
+    running = start_app({"engine_replicas": {"num_replicas": 1}}, name="prefix-serve")
+    yield running
+    stop_all()
+
+
+def expected_cached(prompt_len: int, shared_len: int) -> int:
+    """Tokens a repeat can take from cache: shared full blocks, never the last token."""
+    return min(shared_len, prompt_len - 1) // BLOCK * BLOCK
+
+
+def test_models_lists_the_served_model(app):
+    models = app.openai().models.list()
+    assert [m.id for m in models.data] == ["tiny-qwen2"]
+
+
+def test_chat_completion_counts_prompt_tokens_of_the_chat_template(app, tokenizer):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    resp = app.openai().chat.completions.create(model=app.model, messages=messages, max_tokens=6, temperature=0)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected_prompt = len(tokenizer.encode(text, add_special_tokens=False))
+    assert resp.usage.prompt_tokens == expected_prompt
+    assert 1 <= resp.usage.completion_tokens <= 6
+    assert resp.usage.total_tokens == expected_prompt + resp.usage.completion_tokens
+    assert resp.usage.prompt_tokens_details.cached_tokens is not None
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].finish_reason in ("length", "stop")
+    # Greedy decoding on the same prompt is deterministic: the stream must say the same.
+    stream = app.openai().chat.completions.create(
+        model=app.model, messages=messages, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == resp.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == expected_prompt
+    assert usage.completion_tokens == resp.usage.completion_tokens
+    # The second identical prompt may reuse its full blocks.
+    assert usage.prompt_tokens_details.cached_tokens == expected_cached(expected_prompt, expected_prompt)
+
+
+def test_shared_prefix_table_single_replica(app):
+    """8 token-id prompts: a 512-token prefix + distinct suffixes, sent one after another."""
+    prefix = [(7 * i + 3) % 900 + 10 for i in range(512)]
+    suffixes = [24, 40, 8, 32, 16, 48, 12, 20]
+    client = app.openai()
+    prompt_sum = cached_sum = 0
+    for j, n in enumerate(suffixes):
+        suffix = [(11 * j + 5 * k) % 900 + 10 for k in range(n)]
+        resp = client.completions.create(model=app.model, prompt=prefix + suffix, max_tokens=1)
+        prompt_sum += resp.usage.prompt_tokens
+        cached_sum += resp.usage.prompt_tokens_details.cached_tokens
+    assert prompt_sum == sum(512 + n for n in suffixes) == 4296
+    # First request is cold; every later one reuses the 16 full prefix blocks.
+    assert cached_sum == sum(expected_cached(512 + n, 512) for n in suffixes[1:]) == 3584
+    assert prompt_sum - cached_sum == 712
+
+
+def test_repeated_600_token_prompt_hits_the_cache(app):
+    prompt = [(13 * i + 1) % 900 + 10 for i in range(600)]
+    client = app.openai()
+    cached = [client.completions.create(model=app.model, prompt=prompt, max_tokens=1)
+              .usage.prompt_tokens_details.cached_tokens for _ in range(4)]
+    assert cached[0] == 0
+    assert max(cached) >= 576 == expected_cached(600, 600)
+
+
+def test_cache_salt_separates_tenants(app):
+    prompt = [(17 * i + 2) % 900 + 10 for i in range(256)]
+    client = app.openai()
+
+    def cached(salt):
+        extra = {"cache_salt": salt} if salt else {}
+        r = client.completions.create(model=app.model, prompt=prompt, max_tokens=1, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0
+    assert cached("tenant-a") == expected_cached(256, 256)
+    assert cached(None) == 0
+
+
+def test_streamed_completion_sse_wire_format(app):
+    body = {"model": app.model, "prompt": "The library opens at", "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{app.base_url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert all(p["object"] == "text_completion" for p in payloads)
+    assert payloads[-1]["usage"]["completion_tokens"] == 4
+    assert sum(1 for p in payloads if p["choices"]) >= 1
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ("{not json", 400, None),
+        (json.dumps({"model": "tiny-qwen2", "messages": []}), 400, "messages"),
+        (json.dumps({"model": "gpt-0", "messages": [{"role": "user", "content": "x"}]}), 404, "model"),
+        (json.dumps({"model": "tiny-qwen2", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}), 400, "max_tokens"),
+        (json.dumps({"model": "tiny-qwen2", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}), 400, "max_tokens"),
+        (json.dumps({"model": "tiny-qwen2", "messages": [{"role": "user", "content": "x"}], "cache_salt": "a/b"}), 400, "cache_salt"),
+        (json.dumps({"model": "tiny-qwen2", "messages": [{"role": "user", "content": "x"}], "cache_salt": ""}), 400, "cache_salt"),
+        (json.dumps({"model": "tiny-qwen2", "messages": "hello"}), 400, "messages"),
+    ],
+)
+def test_bad_chat_input_gets_openai_error_then_service_continues(app, body, status, param):
+    r = httpx.post(f"{app.base_url}/v1/chat/completions", content=body,
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["code"] == status and err["message"]
+    assert err["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    if param is not None:
+        assert err["param"] == param
+    ok = app.openai().chat.completions.create(model=app.model, messages=[{"role": "user", "content": "ok?"}], max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_prompt_longer_than_context_is_rejected(app):
+    r = httpx.post(f"{app.base_url}/v1/completions", json={"model": app.model, "prompt": [11] * 4096, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 400
+    assert "maximum context length is 4096" in r.json()["error"]["message"]
+
+
+def test_python_handle_from_a_second_serve_app(app):
+    from ray import serve
+
+    from examples.handle_client import HandleClient
+
+    handle = serve.run(HandleClient.bind(app.name), name="handle-client", route_prefix=None)
+    try:
+        result = handle.ask.remote("Write a haiku about the sea.", max_tokens=5).result(timeout_s=120)
+    finally:
+        serve.delete("handle-client")
+    assert isinstance(result["unary_text"], str) and result["unary_usage"]["completion_tokens"] >= 1
+    assert result["stream_usage"]["prompt_tokens"] == result["unary_usage"]["prompt_tokens"]
+    assert result["stream_usage"]["completion_tokens"] == result["unary_usage"]["completion_tokens"]
+    # Greedy decoding: the streamed pieces spell the unary answer.
+    assert "".join(result["stream_pieces"]) == result["unary_text"]
