@@ -9,7 +9,7 @@ and the RTX 4090 cluster config (``infra/serve_config.4090.yaml``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -72,6 +72,18 @@ class RouterConfig(_Strict):
     stale_events_s: float = Field(30.0, gt=0.0, description="a replica silent this long with work in flight is routed by load only")
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry settings (see ``app/tracing.py``); unset fields fall back to ``OTEL_*``."""
+
+    enabled: bool | None = Field(None, description="False turns tracing off whatever the environment says")
+    exporter: Literal["otlp", "console", "file", "none"] | None = Field(None, description="OTEL_TRACES_EXPORTER")
+    endpoint: str | None = Field(None, description="OTEL_EXPORTER_OTLP_ENDPOINT")
+    protocol: Literal["http/protobuf", "grpc"] | None = Field(None, description="OTEL_EXPORTER_OTLP_PROTOCOL")
+    service_name: str | None = Field(None, description="OTEL_SERVICE_NAME")
+    sampling_ratio: float | None = Field(None, ge=0.0, le=1.0, description="OTEL_TRACES_SAMPLER_ARG")
+    file_path: str | None = Field(None, description="JSON-lines file for exporter 'file'")
+
+
 class AppArgs(_Strict):
     """Arguments of the prefix-serve application (``app.builder:build_app``)."""
 
@@ -81,6 +93,7 @@ class AppArgs(_Strict):
     engine: EngineConfig = EngineConfig()
     engine_replicas: ReplicaConfig = ReplicaConfig(num_replicas=2, num_cpus=0.5)
     ingress_replicas: ReplicaConfig = ReplicaConfig(num_replicas=1, num_cpus=0.25, max_ongoing_requests=256)
+    tracing: TracingConfig = TracingConfig()
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get HTTP 413")
 
     def resolved_model(self) -> str:

@@ -20,10 +20,13 @@ from typing import Any
 
 from ray import serve
 
+from app import tracing
+from app.config import TracingConfig
 from app.protocol import (
     STAT_BLOCK_SIZE,
     STAT_EVENTS_ENDPOINT,
     STAT_KV_USAGE,
+    STAT_METRICS_TARGET,
     STAT_NUM_RUNNING,
     STAT_NUM_WAITING,
     STAT_REPLAY_ENDPOINT,
@@ -66,7 +69,8 @@ class VLLMEngine:
         served_model_name: the name clients use for the model.
     """
 
-    def __init__(self, model: str, engine: dict[str, Any], served_model_name: str):
+    def __init__(self, model: str, engine: dict[str, Any], served_model_name: str,
+                 tracing_config: dict[str, Any] | None = None):
         import ray
         from vllm.config import KVEventsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -74,6 +78,7 @@ class VLLMEngine:
 
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
+        tracing.setup_tracing(TracingConfig.model_validate(tracing_config or {}), "engine")
         # vLLM binds tcp://*:0 to this node's IP; tell it the IP Ray uses so the
         # endpoint is reachable from other nodes (and no lookup leaves the host).
         os.environ.setdefault("VLLM_HOST_IP", ray.util.get_node_ip_address())
@@ -99,6 +104,7 @@ class VLLMEngine:
             enforce_eager=engine.get("enforce_eager", True),
             seed=engine.get("seed", 0),
             disable_log_stats=False,
+            otlp_traces_endpoint=tracing.vllm_otlp_endpoint(),
             kv_events_config=KVEventsConfig(
                 enable_kv_cache_events=True,
                 publisher="zmq",
@@ -114,10 +120,21 @@ class VLLMEngine:
         self.events_endpoint = source.endpoint
         self.replay_endpoint = source.replay_endpoint
         self.started_at = time.time()
+        self.metrics_target = self._start_metrics_server()
         logger.info(
             "engine replica %s up: KV events on %s, replay on %s",
             self.replica_id, self.events_endpoint, self.replay_endpoint,
         )
+
+    @staticmethod
+    def _start_metrics_server() -> str:
+        """Serve this process's Prometheus registry (vLLM's ``vllm:*`` metrics) on an
+        ephemeral port of the node IP; returns ``host:port`` for service discovery."""
+        from prometheus_client import start_http_server
+
+        host = os.environ["VLLM_HOST_IP"]
+        server, _thread = start_http_server(0, addr=host)
+        return f"{host}:{server.server_port}"
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """Stream the request's output as deltas (call with ``.options(stream=True)``).
@@ -135,22 +152,41 @@ class VLLMEngine:
         params = request.sampling_params
         params.output_kind = RequestOutputKind.DELTA
         num_output = 0
-        async for out in self.engine.generate(
-            prompt, params, request.request_id, trace_headers=request.trace_headers or None
-        ):
-            completion = out.outputs[0]
-            num_output += len(completion.token_ids)
-            yield EngineOutput(
-                request_id=request.request_id,
-                replica_id=self.replica_id,
-                text=completion.text,
-                token_ids=list(completion.token_ids),
-                num_prompt_tokens=len(out.prompt_token_ids or request.prompt_token_ids),
-                num_cached_tokens=int(out.num_cached_tokens or 0),
-                num_output_tokens=num_output,
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
-            )
+        with tracing.tracer().start_as_current_span(
+            "prefix_serve.engine.generate", context=tracing.extract(request.trace_headers),
+            attributes={"prefix_serve.replica_id": self.replica_id, "gen_ai.response.id": request.request_id},
+        ) as span:
+            started = time.perf_counter()
+            first_token_s = None
+            out = None
+            async for out in self.engine.generate(prompt, params, request.request_id, trace_headers=tracing.inject() or None):
+                completion = out.outputs[0]
+                num_output += len(completion.token_ids)
+                if first_token_s is None and completion.token_ids:
+                    first_token_s = time.perf_counter() - started
+                yield self._output(request, out, num_output)
+            if out is not None:
+                span.set_attributes({
+                    "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+                    "gen_ai.usage.output_tokens": num_output,
+                    "prefix_serve.cached_tokens": int(out.num_cached_tokens or 0),
+                    "prefix_serve.ttft_s": -1.0 if first_token_s is None else first_token_s,
+                    "prefix_serve.queue_time_s": _queue_time_s(out),
+                })
+
+    def _output(self, request: EngineRequest, out, num_output: int) -> EngineOutput:
+        completion = out.outputs[0]
+        return EngineOutput(
+            request_id=request.request_id,
+            replica_id=self.replica_id,
+            text=completion.text,
+            token_ids=list(completion.token_ids),
+            num_prompt_tokens=len(out.prompt_token_ids or request.prompt_token_ids),
+            num_cached_tokens=int(out.num_cached_tokens or 0),
+            num_output_tokens=num_output,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Load and event endpoints for the request routers (polled by Serve)."""
@@ -160,6 +196,7 @@ class VLLMEngine:
             STAT_REPLAY_ENDPOINT: self.replay_endpoint,
             STAT_BLOCK_SIZE: self.block_size,
             STAT_STARTED_AT: self.started_at,
+            STAT_METRICS_TARGET: self.metrics_target,
             **self._load,
         }
 
@@ -174,3 +211,12 @@ class VLLMEngine:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _queue_time_s(out) -> float:
+    """Seconds the request waited in the engine's queue, from vLLM's request stats (-1 if unknown)."""
+    stats = getattr(out, "metrics", None)
+    queued, scheduled = getattr(stats, "queued_ts", None), getattr(stats, "scheduled_ts", None)
+    if queued and scheduled:
+        return max(0.0, scheduled - queued)
+    return -1.0

@@ -24,7 +24,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,6 +34,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray.serve.handle import DeploymentHandle
 
+from app import metrics, tracing
 from app.config import AppArgs
 from app.errors import OpenAIError, error_body
 from app.protocol import EngineOutput, EngineRequest
@@ -115,6 +117,7 @@ class OpenAIIngress:
         self.max_model_len = self.args.engine.max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(self.args.resolved_tokenizer())
         self.vocab_size = len(self.tokenizer)
+        tracing.setup_tracing(self.args.tracing, "ingress")
 
     # ----------------------------------------------------------------- HTTP routes
 
@@ -147,35 +150,64 @@ class OpenAIIngress:
         card = ModelCard(id=self.model_name, root=self.args.model, max_model_len=self.max_model_len, owned_by="prefix-serve")
         return ModelList(data=[card]).model_dump()
 
+    @fastapi_app.get("/metrics")
+    async def prometheus_metrics(self):
+        """Prometheus text format: router, ingress and process metrics of this replica."""
+        from fastapi.responses import Response
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        for router in list(metrics.ROUTERS):
+            router.export_gauges()
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @fastapi_app.get("/metrics/engines")
+    async def engine_metrics_targets(self) -> list[dict[str, Any]]:
+        """Engine replicas' metrics endpoints in Prometheus ``http_sd_configs`` format."""
+        targets: dict[str, str] = {}
+        for router in list(metrics.ROUTERS):
+            targets.update(router.engine_metrics_targets())
+        return [{"targets": [hostport], "labels": {"replica": uid}} for uid, hostport in sorted(targets.items())]
+
     @fastapi_app.post("/v1/chat/completions")
     async def http_chat(self, request: Request):
-        body = await self._read_json(request)
-        if body.get("stream"):
-            gen = self.chat_stream(body)
-            return await self._sse_response(gen)
-        return JSONResponse((await self.chat(body)).model_dump(exclude_none=True))
+        return await self._http(request, "/v1/chat/completions", self.chat, self.chat_stream)
 
     @fastapi_app.post("/v1/completions")
     async def http_completions(self, request: Request):
-        body = await self._read_json(request)
-        if body.get("stream"):
-            gen = self.completions_stream(body)
-            return await self._sse_response(gen)
-        return JSONResponse((await self.completions(body)).model_dump(exclude_none=True))
+        return await self._http(request, "/v1/completions", self.completions, self.completions_stream)
+
+    async def _http(self, request: Request, route: str, unary, stream):
+        headers = {k: request.headers[k] for k in ("traceparent", "tracestate") if k in request.headers}
+        try:
+            body = await self._read_json(request)
+            if body.get("stream"):
+                response = await self._sse_response(stream(body, trace_headers=headers))
+            else:
+                response = JSONResponse((await unary(body, trace_headers=headers)).model_dump(exclude_none=True))
+        except OpenAIError as e:
+            metrics.REQUESTS.labels(route=route, status=str(e.status)).inc()
+            raise
+        except Exception:
+            metrics.REQUESTS.labels(route=route, status="500").inc()
+            raise
+        metrics.REQUESTS.labels(route=route, status="200").inc()
+        return response
 
     # --------------------------------------------------------- handle-callable API
 
-    async def chat(self, body: Any):
-        """Unary chat completion. ``body``: dict or ``ChatCompletionRequest``."""
+    async def chat(self, body: Any, trace_headers: dict[str, str] | None = None):
+        """Unary chat completion. ``body``: dict or ``ChatCompletionRequest``;
+        ``trace_headers``: optional W3C ``traceparent``/``tracestate`` of the caller."""
         from vllm.entrypoints.openai.chat_completion.protocol import (
             ChatCompletionResponse,
             ChatCompletionResponseChoice,
             ChatMessage,
         )
 
-        req = self._parse_chat(body)
-        ereq = self._engine_request_chat(req)
-        text, last = await self._collect(ereq)
+        with self._span("chat", trace_headers) as span:
+            req = self._parse_chat(body)
+            ereq = self._engine_request_chat(req)
+            text, last = await self._collect(ereq, span)
         return ChatCompletionResponse(
             id=ereq.request_id,
             model=self.model_name,
@@ -190,7 +222,7 @@ class OpenAIIngress:
             usage=_usage(last),
         )
 
-    async def chat_stream(self, body: Any) -> AsyncIterator[Any]:
+    async def chat_stream(self, body: Any, trace_headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
         """Streamed chat completion: yields ``ChatCompletionStreamResponse`` chunks."""
         from vllm.entrypoints.generate.base.protocol import DeltaMessage
         from vllm.entrypoints.openai.chat_completion.protocol import (
@@ -198,62 +230,79 @@ class OpenAIIngress:
             ChatCompletionStreamResponse,
         )
 
-        req = self._parse_chat(body)
-        ereq = self._engine_request_chat(req)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        created = int(time.time())
-        first = True
-        last: EngineOutput | None = None
-        async for out in self._generate(ereq):
-            last = out
-            if not out.text and out.finish_reason is None:
-                continue
-            delta = DeltaMessage(role="assistant", content=out.text) if first else DeltaMessage(content=out.text)
-            first = False
-            yield ChatCompletionStreamResponse(
-                id=ereq.request_id, created=created, model=self.model_name,
-                choices=[ChatCompletionResponseStreamChoice(
-                    index=0, delta=delta, finish_reason=out.finish_reason, stop_reason=out.stop_reason)],
-            )
-        if include_usage and last is not None:
-            yield ChatCompletionStreamResponse(
-                id=ereq.request_id, created=created, model=self.model_name, choices=[], usage=_usage(last))
+        with self._span("chat", trace_headers) as span:
+            req = self._parse_chat(body)
+            ereq = self._engine_request_chat(req)
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            created = int(time.time())
+            first = True
+            last: EngineOutput | None = None
+            async for out in self._generate(ereq, span):
+                last = out
+                if not out.text and out.finish_reason is None:
+                    continue
+                delta = DeltaMessage(role="assistant", content=out.text) if first else DeltaMessage(content=out.text)
+                first = False
+                yield ChatCompletionStreamResponse(
+                    id=ereq.request_id, created=created, model=self.model_name,
+                    choices=[ChatCompletionResponseStreamChoice(
+                        index=0, delta=delta, finish_reason=out.finish_reason, stop_reason=out.stop_reason)],
+                )
+            if include_usage and last is not None:
+                yield ChatCompletionStreamResponse(
+                    id=ereq.request_id, created=created, model=self.model_name, choices=[], usage=_usage(last))
 
-    async def completions(self, body: Any):
+    async def completions(self, body: Any, trace_headers: dict[str, str] | None = None):
         """Unary text completion. ``body``: dict or ``CompletionRequest``."""
         from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice
 
-        req = self._parse_completion(body)
-        ereq = self._engine_request_completion(req)
-        text, last = await self._collect(ereq)
+        with self._span("text_completion", trace_headers) as span:
+            req = self._parse_completion(body)
+            ereq = self._engine_request_completion(req)
+            text, last = await self._collect(ereq, span)
         return CompletionResponse(
             id=ereq.request_id, model=self.model_name,
             choices=[CompletionResponseChoice(index=0, text=text, finish_reason=last.finish_reason, stop_reason=last.stop_reason)],
             usage=_usage(last),
         )
 
-    async def completions_stream(self, body: Any) -> AsyncIterator[Any]:
+    async def completions_stream(self, body: Any, trace_headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
         """Streamed text completion: yields ``CompletionStreamResponse`` chunks."""
         from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
 
-        req = self._parse_completion(body)
-        ereq = self._engine_request_completion(req)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        created = int(time.time())
-        last: EngineOutput | None = None
-        async for out in self._generate(ereq):
-            last = out
-            if not out.text and out.finish_reason is None:
-                continue
-            yield CompletionStreamResponse(
-                id=ereq.request_id, created=created, model=self.model_name,
-                choices=[CompletionResponseStreamChoice(
-                    index=0, text=out.text, finish_reason=out.finish_reason, stop_reason=out.stop_reason)],
-            )
-        if include_usage and last is not None:
-            yield CompletionStreamResponse(id=ereq.request_id, created=created, model=self.model_name, choices=[], usage=_usage(last))
+        with self._span("text_completion", trace_headers) as span:
+            req = self._parse_completion(body)
+            ereq = self._engine_request_completion(req)
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            created = int(time.time())
+            last: EngineOutput | None = None
+            async for out in self._generate(ereq, span):
+                last = out
+                if not out.text and out.finish_reason is None:
+                    continue
+                yield CompletionStreamResponse(
+                    id=ereq.request_id, created=created, model=self.model_name,
+                    choices=[CompletionResponseStreamChoice(
+                        index=0, text=out.text, finish_reason=out.finish_reason, stop_reason=out.stop_reason)],
+                )
+            if include_usage and last is not None:
+                yield CompletionStreamResponse(
+                    id=ereq.request_id, created=created, model=self.model_name, choices=[], usage=_usage(last))
 
     # ------------------------------------------------------------------- internals
+
+    @contextmanager
+    def _span(self, operation: str, trace_headers: dict[str, str] | None) -> Iterator[Any]:
+        """The request span (GenAI semantic conventions), child of the caller's trace if any."""
+        from opentelemetry.trace import SpanKind
+
+        parent = tracing.extract(trace_headers) if trace_headers else None
+        with tracing.tracer().start_as_current_span(
+            f"{operation} {self.model_name}", context=parent, kind=SpanKind.SERVER,
+            attributes={"gen_ai.operation.name": operation, "gen_ai.request.model": self.model_name,
+                        "gen_ai.system": "vllm"},
+        ) as span:
+            yield span
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         limit = self.args.max_request_body_bytes
@@ -386,15 +435,55 @@ class OpenAIIngress:
             prompt_token_ids=prompt_ids,
             sampling_params=params,
             cache_salt=req.cache_salt,
+            trace_headers=tracing.inject(),
         )
 
     def _engine_request_chat(self, req) -> EngineRequest:
-        return self._engine_request(req, self._chat_token_ids(req), "chatcmpl")
+        with tracing.tracer().start_as_current_span("prefix_serve.tokenize") as span:
+            ids = self._chat_token_ids(req)
+            span.set_attribute("gen_ai.usage.input_tokens", len(ids))
+        return self._engine_request(req, ids, "chatcmpl")
 
     def _engine_request_completion(self, req) -> EngineRequest:
-        return self._engine_request(req, self._completion_token_ids(req), "cmpl")
+        with tracing.tracer().start_as_current_span("prefix_serve.tokenize") as span:
+            ids = self._completion_token_ids(req)
+            span.set_attribute("gen_ai.usage.input_tokens", len(ids))
+        return self._engine_request(req, ids, "cmpl")
 
-    async def _generate(self, ereq: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def _generate(self, ereq: EngineRequest, span=None) -> AsyncIterator[EngineOutput]:
+        """Stream from an engine replica, recording TTFT/ITL/E2E and usage on ``span``."""
+        started = time.perf_counter()
+        previous = None
+        last: EngineOutput | None = None
+        async for out in self._generate_with_retry(ereq):
+            now = time.perf_counter()
+            if out.token_ids:
+                if previous is None:
+                    metrics.TTFT_SECONDS.observe(now - started)
+                    if span is not None:
+                        span.set_attribute("prefix_serve.ttft_s", now - started)
+                else:
+                    metrics.ITL_SECONDS.observe(now - previous)
+                previous = now
+            last = out
+            yield out
+        metrics.E2E_SECONDS.observe(time.perf_counter() - started)
+        if last is not None:
+            metrics.INGRESS_PROMPT_TOKENS.inc(last.num_prompt_tokens)
+            metrics.INGRESS_CACHED_TOKENS.inc(last.num_cached_tokens)
+            metrics.INGRESS_OUTPUT_TOKENS.inc(last.num_output_tokens)
+            if span is not None:
+                span.set_attributes({
+                    "gen_ai.response.id": ereq.request_id,
+                    "gen_ai.usage.input_tokens": last.num_prompt_tokens,
+                    "gen_ai.usage.output_tokens": last.num_output_tokens,
+                    "prefix_serve.cached_tokens": last.num_cached_tokens,
+                    "prefix_serve.replica_id": last.replica_id,
+                })
+                if last.finish_reason:
+                    span.set_attribute("gen_ai.response.finish_reasons", [last.finish_reason])
+
+    async def _generate_with_retry(self, ereq: EngineRequest) -> AsyncIterator[EngineOutput]:
         """Stream from an engine replica; resend on replica loss before any output."""
         for attempt in range(1, _MAX_ATTEMPTS + 1):
             produced = False
@@ -412,10 +501,10 @@ class OpenAIIngress:
                 logger.warning("engine replica lost before first output (%s); attempt %d", type(e).__name__, attempt)
                 ereq.request_id = f"{ereq.request_id.split('~')[0]}~{attempt}"
 
-    async def _collect(self, ereq: EngineRequest) -> tuple[str, EngineOutput]:
+    async def _collect(self, ereq: EngineRequest, span=None) -> tuple[str, EngineOutput]:
         parts: list[str] = []
         last: EngineOutput | None = None
-        async for out in self._generate(ereq):
+        async for out in self._generate(ereq, span):
             parts.append(out.text)
             last = out
         if last is None:

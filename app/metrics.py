@@ -30,3 +30,16 @@ ROUTERS: weakref.WeakSet = weakref.WeakSet()
 
 RECENT_DECISIONS_MAX = 4096
 """Routing decisions each router keeps for ``/debug/routing/decisions/{id}``."""
+
+# ---------------------------------------------------------------- ingress (per process)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+REQUESTS = Counter("prefix_serve_requests", "HTTP requests by route and status", ["route", "status"])
+TTFT_SECONDS = Histogram("prefix_serve_time_to_first_token_seconds", "Time from request arrival to the first output token", buckets=_LATENCY_BUCKETS)
+ITL_SECONDS = Histogram(
+    "prefix_serve_inter_token_latency_seconds", "Time between successive streamed outputs",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+)
+E2E_SECONDS = Histogram("prefix_serve_e2e_request_latency_seconds", "Time from request arrival to the last output token", buckets=_LATENCY_BUCKETS)
+INGRESS_PROMPT_TOKENS = Counter("prefix_serve_prompt_tokens", "Prompt tokens of completed requests")
+INGRESS_CACHED_TOKENS = Counter("prefix_serve_cached_tokens", "Prompt tokens the engines served from their prefix cache")
+INGRESS_OUTPUT_TOKENS = Counter("prefix_serve_output_tokens", "Output tokens of completed requests")

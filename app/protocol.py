@@ -20,6 +20,7 @@ STAT_NUM_RUNNING = "num_running"
 STAT_NUM_WAITING = "num_waiting"
 STAT_KV_USAGE = "kv_cache_usage"
 STAT_STARTED_AT = "engine_started_at"
+STAT_METRICS_TARGET = "metrics_target"  # host:port of the replica's Prometheus endpoint
 
 
 @dataclass(slots=True)

@@ -35,7 +35,7 @@ from ray.serve._private.request_router.request_router import FIFOMixin, RequestR
 
 from app import protocol as stats_keys
 from app.config import RouterConfig
-from app import metrics
+from app import metrics, tracing
 from app.protocol import EngineRequest
 from routing.block_keys import block_keys
 from routing.index import BlockIndex
@@ -63,6 +63,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.sent_at: dict[str, float] = {}  # replica -> last time a request was sent
         self._pending: dict[str, tuple[list[int], int, int, Any]] = {}  # internal id -> (keys, prompt_len, block_size, decision)
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()  # EngineRequest.request_id -> decision
+        self._chosen_at: dict[str, int] = {}  # internal id -> routing start (ns), for the routing span
         metrics.ROUTERS.add(self)
 
     # ------------------------------------------------------------- replica set changes
@@ -161,6 +162,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         by_uid = dict(zip(uids, candidates))
         rest = sorted((u for u in uids if u != decision.replica_id), key=lambda u: decision.costs.get(u, 0.0))
         metrics.ROUTING_SECONDS.observe(time.perf_counter() - t0)
+        self._chosen_at[internal_id] = time.time_ns()
         return [[by_uid[decision.replica_id]], [by_uid[u] for u in rest]] if rest else [[by_uid[decision.replica_id]]]
 
     def _block_size(self, candidates: list[RunningReplica]) -> int | None:
@@ -214,16 +216,56 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         }
         while len(self.decisions) > metrics.RECENT_DECISIONS_MAX:
             self.decisions.popitem(last=False)
+        self._trace(request, self.decisions[request.request_id], self._chosen_at.pop(internal_id, None))
+
+    @staticmethod
+    def _trace(request: EngineRequest, d: dict[str, Any], start_ns: int | None) -> None:
+        """The routing span, a child of the request's span (via its W3C headers)."""
+        if not request.trace_headers:
+            return
+        span = tracing.tracer().start_span(
+            "prefix_serve.route", context=tracing.extract(request.trace_headers), start_time=start_ns)
+        span.set_attributes({
+            "prefix_serve.route.replica_id": d["replica_id"],
+            "prefix_serve.route.reason": d["reason"],
+            "prefix_serve.route.matched_tokens": d["matched_tokens"],
+            "prefix_serve.route.best_alternative_matched_tokens": d["best_alternative_matched_tokens"],
+            "prefix_serve.route.prompt_tokens": d["prompt_tokens"],
+            "prefix_serve.route.candidates": d["candidates"],
+            "prefix_serve.route.index_staleness_s": -1.0 if d["index_staleness_s"] is None else d["index_staleness_s"],
+        })
+        span.end()
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self.inflight.get(replica_id.unique_id, {}).pop(internal_request_id, None)
         self._pending.pop(internal_request_id, None)
+        self._chosen_at.pop(internal_request_id, None)
 
     def _staleness(self, uid: str) -> float | None:
         last = self.subscriber.last_event_at(uid)
         return None if last is None else max(0.0, time.time() - last)
 
     # ---------------------------------------------------------------- introspection
+
+    def export_gauges(self) -> None:
+        """Refresh the gauges of the index and event path (called on ``/metrics``)."""
+        with self.lock:
+            metrics.INDEXED_BLOCKS.set(self.index.num_keys)
+            metrics.INDEX_BYTES.set(self.index.memory_bytes())
+        ev = self.subscriber.stats
+        metrics.EVENT_LAG.set(ev.last_lag_s)
+        for kind, value in ev.as_dict().items():
+            if not kind.endswith("_s"):
+                metrics.EVENT_COUNTERS.labels(kind=kind).set(value)
+
+    def engine_metrics_targets(self) -> dict[str, str]:
+        """``{replica id: host:port}`` of each engine replica's Prometheus endpoint."""
+        out = {}
+        for r in list(self.curr_replicas.values()):
+            target = (r.routing_stats or {}).get(stats_keys.STAT_METRICS_TARGET)
+            if target:
+                out[r.replica_id.unique_id] = target
+        return out
 
     def snapshot(self) -> dict[str, Any]:
         """State for operators and tests: per-replica blocks, lag, counters."""

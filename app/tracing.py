@@ -1,0 +1,150 @@
+"""OpenTelemetry tracing setup for every process that touches a request.
+
+``setup_tracing(cfg, component)`` installs one ``TracerProvider`` per process
+(ingress replicas, engine replicas; the request router runs inside the ingress
+process and shares its provider). Settings come from the ``tracing`` block of the
+app args and, where a field is not set there, from the standard variables:
+
+======================  ===============================  ==========================
+field                   environment variable             default
+======================  ===============================  ==========================
+``exporter``            ``OTEL_TRACES_EXPORTER``         ``none`` (tracing off)
+``endpoint``            ``OTEL_EXPORTER_OTLP_ENDPOINT``  the exporter's own default
+``protocol``            ``OTEL_EXPORTER_OTLP_PROTOCOL``  ``http/protobuf``
+``service_name``        ``OTEL_SERVICE_NAME``            ``prefix-serve``
+``sampling_ratio``      ``OTEL_TRACES_SAMPLER_ARG``      ``1.0``
+======================  ===============================  ==========================
+
+Exporters are the SDK's own: OTLP over HTTP (``http/protobuf``) or gRPC, the
+console exporter, or ``file`` (the console exporter writing one JSON span per
+line to ``file_path``). The sampler is ``ParentBased(TraceIdRatioBased(ratio))``,
+so a sampled W3C ``traceparent`` from the client is always honoured.
+
+Context crosses process boundaries as W3C trace-context headers carried in
+``EngineRequest.trace_headers``; the engine passes them on to vLLM's own tracing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from app.config import TracingConfig
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_lock = threading.Lock()
+_configured: dict[str, Any] = {}
+
+TRACER_NAME = "prefix_serve"
+
+
+def resolve(cfg: TracingConfig | None) -> dict[str, Any]:
+    """Merge ``cfg`` with the ``OTEL_*`` environment; returns the effective settings."""
+    cfg = cfg or TracingConfig()
+    exporter = cfg.exporter or os.environ.get("OTEL_TRACES_EXPORTER", "none")
+    exporter = exporter.split(",")[0].strip().lower()
+    if cfg.enabled is False:
+        exporter = "none"
+    ratio_env = os.environ.get("OTEL_TRACES_SAMPLER_ARG")
+    return {
+        "exporter": exporter,
+        "endpoint": cfg.endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        "protocol": (cfg.protocol or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").lower(),
+        "service_name": cfg.service_name or os.environ.get("OTEL_SERVICE_NAME") or "prefix-serve",
+        "sampling_ratio": cfg.sampling_ratio if cfg.sampling_ratio is not None else float(ratio_env) if ratio_env else 1.0,
+        "file_path": cfg.file_path,
+    }
+
+
+def setup_tracing(cfg: TracingConfig | None, component: str) -> bool:
+    """Install the process's tracer provider once; returns True if spans are exported.
+
+    ``component`` (``ingress``, ``engine``) goes into the resource as
+    ``service.instance.role`` next to the process id, so spans show which process
+    exported them.
+    """
+    with _lock:
+        if _configured:
+            return _configured["exporting"]
+        s = resolve(cfg)
+        if s["exporter"] in ("none", ""):
+            _configured.update(exporting=False, settings=s)
+            return False
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+        resource = Resource.create({
+            "service.name": s["service_name"],
+            "service.instance.id": f"{component}-{os.getpid()}",
+            "service.instance.role": component,
+            "process.pid": os.getpid(),
+        })
+        provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(s["sampling_ratio"])))
+        provider.add_span_processor(BatchSpanProcessor(_exporter(s), schedule_delay_millis=500))
+        trace.set_tracer_provider(provider)
+        _configured.update(exporting=True, settings=s, provider=provider)
+        return True
+
+
+def _exporter(s: dict[str, Any]):
+    kind = s["exporter"]
+    if kind == "otlp":
+        endpoint = s["endpoint"]
+        if s["protocol"] == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+            return GrpcExporter(endpoint=endpoint, insecure=True) if endpoint else GrpcExporter()
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+        if endpoint and not endpoint.rstrip("/").endswith("/v1/traces"):
+            endpoint = endpoint.rstrip("/") + "/v1/traces"
+        return HttpExporter(endpoint=endpoint) if endpoint else HttpExporter()
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+    if kind == "console":
+        return ConsoleSpanExporter(service_name=s["service_name"])
+    if kind == "file":
+        if not s["file_path"]:
+            raise ValueError("tracing.exporter 'file' needs tracing.file_path")
+        out = open(s["file_path"], "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - lives as long as the process
+        return ConsoleSpanExporter(service_name=s["service_name"], out=out,
+                                   formatter=lambda span: span.to_json(indent=None) + "\n")
+    raise ValueError(f"unknown traces exporter {kind!r}: use otlp, console, file or none")
+
+
+def vllm_otlp_endpoint() -> str | None:
+    """The endpoint to hand to vLLM's own tracing (``otlp_traces_endpoint``), if OTLP is on."""
+    s = _configured.get("settings") or {}
+    if _configured.get("exporting") and s.get("exporter") == "otlp" and s.get("endpoint"):
+        return s["endpoint"]
+    return None
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer(TRACER_NAME)
+
+
+def extract(headers: Mapping[str, str] | None) -> otel_context.Context:
+    """Context from W3C headers (``traceparent``/``tracestate``); empty context if none."""
+    return _PROPAGATOR.extract(carrier=dict(headers or {}))
+
+
+def inject(ctx: otel_context.Context | None = None) -> dict[str, str]:
+    """W3C headers for ``ctx`` (default: the current context)."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=ctx)
+    return carrier
+
+
+def force_flush(timeout_ms: int = 5000) -> None:
+    provider = _configured.get("provider")
+    if provider is not None:
+        provider.force_flush(timeout_ms)

@@ -1,0 +1,148 @@
+"""The prefix-affinity router on the default config: 2 real vLLM CPU engine replicas.
+
+Issue 3's acceptance cases, on one shared Serve app (in this order; the replica
+loss case runs last because it changes the replica set). Expected values are
+computed from first principles: a request can reuse the full ``block_size``
+blocks it shares with an earlier request on the same replica, never the last
+prompt token.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.conftest import start_app, stop_all
+
+pytestmark = pytest.mark.engine
+
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def app():
+    running = start_app(name="prefix-serve")
+    yield running
+    stop_all()
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+def complete(app, prompt, salt=None):
+    body = {"model": app.model, "prompt": prompt, "max_tokens": 1}
+    if salt is not None:
+        body["cache_salt"] = salt
+    r = httpx.post(f"{app.base_url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def routing(app) -> dict:
+    routers = httpx.get(f"{app.base_url}/debug/routing", timeout=30).json()["routers"]
+    assert routers, "the ingress has no live router"
+    return routers[0]
+
+
+def decision(app, request_id: str) -> dict:
+    r = httpx.get(f"{app.base_url}/debug/routing/decisions/{request_id}", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_seed_table_on_two_replicas(app):
+    prefix = tokens(1, 512)
+    suffixes = [24, 40, 8, 32, 16, 48, 12, 20]
+    prompt_sum = cached_sum = 0
+    for j, n in enumerate(suffixes):
+        usage = complete(app, prefix + tokens(100 + j, n))["usage"]
+        prompt_sum += usage["prompt_tokens"]
+        cached_sum += usage["prompt_tokens_details"]["cached_tokens"]
+    assert prompt_sum == 4296
+    assert cached_sum == 7 * (512 // BLOCK) * BLOCK == 3584
+
+
+def test_groups_of_system_prompts_land_together(app):
+    groups = [tokens(1000 + g, 1024) for g in range(6)]
+    requests = [(g, groups[g] + tokens(2000 + 8 * g + i, 16 + 8 * i)) for g in range(6) for i in range(8)]
+    random.Random(7).shuffle(requests)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        usages = list(pool.map(lambda gr: complete(app, gr[1])["usage"], requests))
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    # Ideal: every request after the first of its group reuses the 32 full blocks
+    # of its 1,024-token system prompt.
+    ideal = 6 * 7 * (1024 // BLOCK) * BLOCK
+    print(f"groups: cached {cached} of ideal {ideal} ({cached / ideal:.1%})")
+    assert cached >= 0.9 * ideal
+
+
+def test_tenants_never_share_blocks(app):
+    prompt = tokens(3, 1024)
+    first = complete(app, prompt, salt="tenant-a")
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    time.sleep(0.5)  # let tenant-a's BlockStored reach the index
+    other = complete(app, prompt, salt="tenant-b")
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert decision(app, other["id"])["matched_tokens"] == 0
+    again = complete(app, prompt, salt="tenant-a")
+    full = (1024 - 1) // BLOCK * BLOCK
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == full
+    assert decision(app, again["id"])["matched_tokens"] == full
+
+
+def test_index_follows_engine_events(app):
+    """Blocks appear in the index from BlockStored events, on the replica that served them."""
+    prompt = tokens(4, 640)
+    first = complete(app, prompt)
+    served_by = decision(app, first["id"])["replica_id"]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        snap = routing(app)
+        if snap["index_stats"]["predictions_confirmed"] > 0 and snap["replica_blocks"].get(served_by, 0) >= 640 // BLOCK:
+            break
+        time.sleep(0.2)
+    snap = routing(app)
+    assert snap["events"]["batches"] > 0 and snap["events"]["decode_errors"] == 0
+    assert snap["replica_blocks"][served_by] >= 640 // BLOCK
+    assert set(snap["replica_blocks"]) <= set(snap["subscribed"])
+    assert len(snap["subscribed"]) == 2
+
+
+def engine_replica_pid(replica_uid: str) -> int:
+    """PID of the Serve replica actor whose id ends with ``replica_uid``."""
+    import ray
+
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
+             if "VLLMEngine" in a["name"] and a["name"].endswith(replica_uid)]
+    assert len(names) == 1, names
+    actor = ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
+    return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
+
+
+def test_replica_loss_drops_its_entries_and_service_continues(app):
+    snap = routing(app)
+    assert len(snap["subscribed"]) == 2
+    victim = max(snap["replica_blocks"], key=lambda u: snap["replica_blocks"][u])
+    assert snap["replica_blocks"][victim] > 0
+    os.kill(engine_replica_pid(victim), signal.SIGKILL)
+    killed_at = time.monotonic()
+    gone_after = None
+    while time.monotonic() - killed_at < 30:
+        snap = routing(app)
+        if victim not in snap["replica_blocks"] and victim not in snap["subscribed"]:
+            gone_after = time.monotonic() - killed_at
+            break
+        time.sleep(0.25)
+    assert gone_after is not None and gone_after <= 10.0, f"entries of {victim} still indexed"
+    # New requests succeed while Serve replaces the replica.
+    for i in range(4):
+        out = complete(app, tokens(500 + i, 200))
+        assert out["usage"]["completion_tokens"] == 1
