@@ -1,0 +1,242 @@
+"""Routing policy: choose the replica with the lowest predicted TTFT, under bounded load.
+
+A pure function of index answers and load numbers (no Ray, no I/O, no clock),
+so the request router, the simulator and the tests run the same code.
+
+Cost function (seconds, a predicted time to first token)::
+
+    cached_r   = min(matched_blocks_r, (prompt_tokens - 1) // block_size) * block_size
+    uncached_r = prompt_tokens - cached_r
+    ttft_r     = (uncached_r + queued_prefill_tokens_r) * prefill_cost_per_token_s
+               + waiting_r * waiting_penalty_s
+               + running_r * running_penalty_s
+               + (kv_pressure_penalty_s if kv_cache_usage_r >= kv_pressure_threshold else 0)
+
+* ``cached_r`` stops one token short of the prompt: the engine always
+  recomputes the last prompt token to get logits, so a fully cached prompt
+  still recomputes its last block (a 1,024-token prompt at block size 32
+  reports 992 cached tokens).
+* ``queued_prefill_tokens_r`` is the router's own estimate of prompt tokens
+  already sent to the replica and not yet prefilled: this request's prefill
+  waits behind them.
+* ``waiting_r`` is the engine's ``num_waiting`` (0 when unknown); each waiting
+  request adds scheduling delay beyond its tokens.  ``running_r`` is the
+  engine's ``num_running``, or the router's ``inflight_requests`` when unknown:
+  running decodes share every engine step with the new prefill (chunked
+  prefill), slowing it.
+* Near-full KV cache (``kv_cache_usage`` >= threshold) means preemption or
+  waiting for free blocks: a flat penalty.
+
+Rules, in order:
+
+1. One candidate: take it (``"only_candidate"``).
+2. Saturated replicas (``inflight_requests >= max_ongoing_requests``) are not
+   eligible while any candidate is not saturated.  All saturated: the lowest
+   cost wins (``"all_saturated"``); the caller may prefer to back off.
+3. Bounded load (consistent hashing with bounded loads): with ``L`` the sum of
+   the candidates' ``inflight_requests`` and ``n`` candidates, a replica whose
+   ``inflight_requests + 1 > ceil((1 + load_epsilon) * (L + 1) / n)`` is over
+   the bound and not eligible while another is within it.  The least-loaded
+   candidate is always within the bound, so a hot prefix spills instead of
+   piling onto the replica that holds it.
+4. No eligible candidate holds any block of the prompt: power of two choices
+   among the eligible ones, the lower predicted TTFT of two sampled with
+   ``rng`` (``"pow2"``; ``"spill_overload"`` if some ineligible one holds blocks).
+5. Otherwise the eligible candidate with the lowest predicted TTFT wins, not
+   the longest match.  Reason: ``"prefix_hit"`` if it holds the longest match
+   of all candidates, ``"spill_overload"`` if every holder of the longest match
+   was over the bound or saturated, ``"lower_ttft"`` if a longer match was
+   eligible but lost on cost (e.g. its replica has much more queued work).
+
+Ties (equal cost) are broken by ``rng.choice`` over the tied replicas in
+candidate order, so a decision is deterministic given the inputs and the
+rng state.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Decision", "PolicyConfig", "Reason", "ReplicaView", "RoutingRequest", "choose_replica", "cached_tokens"]
+
+Reason = Literal["only_candidate", "prefix_hit", "lower_ttft", "spill_overload", "pow2", "all_saturated"]
+
+
+@dataclass(slots=True)
+class RoutingRequest:
+    """What the policy needs to know about a request.
+
+    Attributes:
+        prompt_tokens: prompt length in tokens (> 0).
+        block_size: KV-cache block size of the engines, in tokens.
+    """
+
+    prompt_tokens: int
+    block_size: int
+
+
+@dataclass(slots=True)
+class ReplicaView:
+    """One candidate replica as the router sees it now.
+
+    Attributes:
+        replica_id: the replica's id.
+        matched_blocks: leading blocks of the prompt it holds (from the index).
+        inflight_requests: requests the router sent there and not finished.
+        queued_prefill_tokens: router's estimate of uncached prompt tokens
+            sent there and not yet prefilled.
+        num_running: engine's running requests (stats, may be stale), or None.
+        num_waiting: engine's waiting requests, or None.
+        kv_cache_usage: engine's KV-cache usage in [0, 1], or None.
+        max_ongoing_requests: Serve's per-replica concurrency cap, or None.
+    """
+
+    replica_id: str
+    matched_blocks: int
+    inflight_requests: int
+    queued_prefill_tokens: int = 0
+    num_running: int | None = None
+    num_waiting: int | None = None
+    kv_cache_usage: float | None = None
+    max_ongoing_requests: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Knobs of the cost function and the load bound (see module docstring).
+
+    Attributes:
+        prefill_cost_per_token_s: seconds of prefill per uncached prompt token.
+        waiting_penalty_s: seconds added per waiting request.
+        running_penalty_s: seconds added per running request.
+        kv_pressure_threshold: KV usage in [0, 1] from which the penalty applies.
+        kv_pressure_penalty_s: seconds added above the threshold.
+        load_epsilon: slack of the load bound (0.25 = 25 % above the mean).
+    """
+
+    prefill_cost_per_token_s: float = 1e-4
+    waiting_penalty_s: float = 0.02
+    running_penalty_s: float = 0.002
+    kv_pressure_threshold: float = 0.95
+    kv_pressure_penalty_s: float = 0.1
+    load_epsilon: float = 0.25
+
+
+@dataclass(slots=True)
+class Decision:
+    """The chosen replica and why.
+
+    Attributes:
+        replica_id: chosen replica.
+        reason: see :data:`Reason` and the module docstring.
+        matched_tokens: prompt tokens the chosen replica is predicted to serve
+            from its prefix cache.
+        best_alternative_matched_tokens: the most cached tokens any other
+            candidate would have served (0 if none or no other candidate).
+        predicted_ttft_s: predicted TTFT on the chosen replica, seconds.
+        costs: predicted TTFT per candidate, seconds.
+    """
+
+    replica_id: str
+    reason: Reason
+    matched_tokens: int
+    best_alternative_matched_tokens: int
+    predicted_ttft_s: float
+    costs: dict[str, float]
+
+
+def cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """Prompt tokens served from cache given ``matched_blocks`` leading blocks.
+
+    The engine recomputes at least the last prompt token, so at most
+    ``(prompt_tokens - 1) // block_size`` blocks count.
+    """
+    if prompt_tokens <= 0:
+        return 0
+    return min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size
+
+
+def _lowest(indices: Sequence[int], costs: Sequence[float], rng: random.Random) -> int:
+    """Index (into ``costs``) of the cheapest of ``indices``; ties broken by ``rng``."""
+    best = min([costs[i] for i in indices])
+    tied = [i for i in indices if costs[i] <= best + 1e-12]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def choose_replica(
+    request: RoutingRequest,
+    candidates: Sequence[ReplicaView],
+    config: PolicyConfig,
+    rng: random.Random,
+) -> Decision:
+    """Pick the replica for ``request`` among ``candidates``.
+
+    Raises:
+        ValueError: no candidates, or a non-positive ``block_size``.
+    """
+    n = len(candidates)
+    if n == 0:
+        raise ValueError("choose_replica needs at least one candidate")
+    bs = request.block_size
+    if bs <= 0:
+        raise ValueError(f"block_size must be positive, got {bs}")
+    prompt = request.prompt_tokens
+    usable_blocks = (prompt - 1) // bs if prompt > 0 else 0
+    per_token = config.prefill_cost_per_token_s
+    running_s = config.running_penalty_s
+    waiting_s = config.waiting_penalty_s
+    kv_threshold = config.kv_pressure_threshold
+
+    cached: list[int] = []
+    costs: list[float] = []
+    free: list[int] = []  # not saturated
+    total_load = 0
+    for i, v in enumerate(candidates):
+        c = (v.matched_blocks if v.matched_blocks < usable_blocks else usable_blocks) * bs
+        inflight = v.inflight_requests
+        cost = (prompt - c + v.queued_prefill_tokens) * per_token
+        cost += (inflight if v.num_running is None else v.num_running) * running_s
+        if v.num_waiting:
+            cost += v.num_waiting * waiting_s
+        if v.kv_cache_usage is not None and v.kv_cache_usage >= kv_threshold:
+            cost += config.kv_pressure_penalty_s
+        cached.append(c)
+        costs.append(cost)
+        total_load += inflight
+        if v.max_ongoing_requests is None or inflight < v.max_ongoing_requests:
+            free.append(i)
+    longest = max(cached)
+
+    if n == 1:
+        chosen, reason = 0, "only_candidate"
+    elif not free:
+        chosen, reason = _lowest(range(n), costs, rng), "all_saturated"
+    else:
+        bound = math.ceil((1.0 + config.load_epsilon) * (total_load + 1) / n)
+        eligible = [i for i in free if candidates[i].inflight_requests < bound] or free
+        best_eligible = max([cached[i] for i in eligible])
+        if best_eligible == 0:
+            pair = rng.sample(eligible, 2) if len(eligible) > 2 else eligible
+            chosen = _lowest(pair, costs, rng)
+            reason = "pow2" if longest == 0 else "spill_overload"
+        else:
+            chosen = _lowest(eligible, costs, rng)
+            if cached[chosen] == longest:
+                reason = "prefix_hit"
+            elif best_eligible == longest:
+                reason = "lower_ttft"
+            else:
+                reason = "spill_overload"
+    others = cached[:chosen] + cached[chosen + 1 :]
+    return Decision(
+        replica_id=candidates[chosen].replica_id,
+        reason=reason,  # type: ignore[arg-type]
+        matched_tokens=cached[chosen],
+        best_alternative_matched_tokens=max(others) if others else 0,
+        predicted_ttft_s=costs[chosen],
+        costs={v.replica_id: cost for v, cost in zip(candidates, costs)},
+    )

@@ -1,0 +1,302 @@
+"""BlockIndex: event folding, copies, unknown parents, predictions, capacity, and a model check."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from routing.block_keys import block_keys
+from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, decode_batch
+from routing.index import BlockIndex
+
+BS = 4
+
+
+def stored(hashes: list, tokens: list[int], parent=None, *, lora=None, extra=None, group=0, bs=BS) -> BlockStored:
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=bs,
+        lora_id=None,
+        medium="GPU",
+        lora_name=lora,
+        extra_keys=extra,
+        group_idx=group,
+    )
+
+
+def removed(*hashes) -> BlockRemoved:
+    return BlockRemoved(block_hashes=list(hashes), medium="GPU", group_idx=0)
+
+
+TOKS = list(range(100, 100 + 10 * BS))
+KEYS = block_keys(TOKS, BS)
+R = ("r0", "r1", "r2")
+
+
+def test_stored_chain_across_events_and_match() -> None:
+    idx = BlockIndex(block_size=BS)
+    idx.apply_event("r0", stored([10, 11, 12], TOKS[:12]))
+    idx.apply_event("r0", stored([13, 14], TOKS[12:20], parent=12))  # parent resolved via engine hash
+    idx.apply_event("r1", stored([20, 21], TOKS[:8]))
+    assert idx.match(KEYS, R, 0.0) == {"r0": 5, "r1": 2, "r2": 0}
+    assert idx.match(KEYS[:1], ["r1"], 0.0) == {"r1": 1}
+    assert idx.match([], R, 0.0) == {"r0": 0, "r1": 0, "r2": 0}
+    assert idx.match(KEYS, ["unknown"], 0.0) == {"unknown": 0}
+    assert idx.stats.blocks_stored == 7
+    assert idx.num_keys == 5 and idx.num_replica_blocks == 7
+
+
+def test_match_counts_consecutive_blocks_only() -> None:
+    idx = BlockIndex(block_size=BS)
+    idx.apply_event("r0", stored([1, 2, 3, 4], TOKS[:16]))
+    idx.apply_event("r0", removed(2))  # a hole at block 1
+    assert idx.match(KEYS, ["r0"], 0.0) == {"r0": 1}
+
+
+def test_bytes_engine_hashes() -> None:
+    idx = BlockIndex(block_size=BS)
+    h = [bytes([i]) * 32 for i in range(3)]
+    idx.apply_event("r0", stored(h[:2], TOKS[:8]))
+    idx.apply_event("r0", stored(h[2:], TOKS[8:12], parent=h[1]))
+    assert idx.match(KEYS, ["r0"], 0.0) == {"r0": 3}
+    idx.apply_event("r0", removed(h[2]))
+    assert idx.match(KEYS, ["r0"], 0.0) == {"r0": 2}
+
+
+def test_unknown_parent_is_skipped_and_counted() -> None:
+    idx = BlockIndex(block_size=BS)
+    idx.apply_event("r0", stored([13, 14], TOKS[12:20], parent=999))
+    assert idx.stats.unknown_parent_events == 1 and idx.stats.unchained_blocks == 2
+    assert idx.num_keys == 0
+    idx.apply_event("r0", removed(13))
+    assert idx.stats.unknown_removed == 1
+
+
+def test_duplicate_physical_copies() -> None:
+    idx = BlockIndex(block_size=BS)
+    idx.apply_event("r0", stored([1, 2], TOKS[:8]))
+    idx.apply_event("r0", stored([1, 2], TOKS[:8]))  # same hashes stored again: second copies
+    assert idx.stats.duplicate_stores == 2 and idx.num_replica_blocks == 2
+    idx.apply_event("r0", removed(2))
+    assert idx.match(KEYS, ["r0"], 0.0) == {"r0": 2}  # one copy of block 1 left
+    idx.apply_event("r0", removed(2))
+    assert idx.match(KEYS, ["r0"], 0.0) == {"r0": 1}
+    idx.apply_event("r0", removed(2))
+    assert idx.stats.unknown_removed == 1
+    assert idx.stats.blocks_removed == 2
+
+
+def test_same_key_under_two_engine_hashes() -> None:
+    idx = BlockIndex(block_size=BS)
+    idx.apply_event("r0", stored([1], TOKS[:4]))
+    idx.apply_event("r0", stored([7], TOKS[:4]))  # another engine hash, same content key
+    idx.apply_event("r0", removed(1))
+    assert idx.match(KEYS, ["r0"], 0.0) == {"r0": 1}
+    idx.apply_event("r0", removed(7))
+    assert idx.match(KEYS, ["r0"], 0.0) == {"r0": 0}
+    assert idx.num_keys == 0 and idx.num_replica_blocks == 0
+
+
+def test_clear_and_remove_replica() -> None:
+    idx = BlockIndex(block_size=BS)
+    idx.apply_event("r0", stored([1, 2, 3], TOKS[:12]))
+    idx.apply_event("r1", stored([1, 2], TOKS[:8]))
+    idx.predict("r0", KEYS[:6], now=0.0, ttl_s=10.0)
+    idx.apply_batch("r0", DecodedBatch(1.0, [AllBlocksCleared()], 0))
+    assert idx.match(KEYS, R, 1.0) == {"r0": 0, "r1": 2, "r2": 0}
+    assert idx.stats.replica_clears == 1
+    idx.apply_event("r0", stored([1], TOKS[:4]))  # fresh after the clear
+    assert idx.match(KEYS, R, 1.0)["r0"] == 1
+    idx.remove_replica("r1")
+    assert idx.match(KEYS, R, 1.0) == {"r0": 1, "r1": 0, "r2": 0}
+    idx.apply_event("r2", stored([5, 6, 7], TOKS[:12]))  # reuses r1's bit, inherits nothing
+    assert idx.match(KEYS, R, 1.0) == {"r0": 1, "r1": 0, "r2": 3}
+    assert sorted(idx.replicas()) == ["r0", "r2"]
+    assert idx.num_replica_blocks == 4
+
+
+def test_filters_group_and_block_size() -> None:
+    idx = BlockIndex(block_size=BS, group_idx=0)
+    idx.apply_event("r0", stored([1], TOKS[:4], group=1))
+    idx.apply_event("r0", stored([2], TOKS[:8], bs=8))
+    idx.apply_event("r0", BlockRemoved(block_hashes=[1], medium="GPU", group_idx=1))
+    assert idx.stats.ignored_events == 3 and idx.num_keys == 0
+    idx.apply_event("r0", stored([3, 4], TOKS[:7] + [1]))
+    assert idx.match(KEYS, ["r0"], 0.0) == {"r0": 1}  # second block's tokens differ
+    idx.apply_event("r0", stored([5, 6], TOKS[:5]))  # wrong token count
+    assert idx.stats.malformed_events == 1
+
+
+def test_lora_and_salt_events_match_request_keys() -> None:
+    idx = BlockIndex(block_size=BS)
+    idx.apply_event("r0", stored([1, 2], TOKS[:8], lora="ad", extra=[("ad", "salt"), ("ad",)]))
+    idx.apply_event("r0", stored([3], TOKS[8:12], parent=2, lora="ad", extra=[("ad",)]))
+    assert idx.match(block_keys(TOKS, BS, lora_name="ad", cache_salt="salt"), ["r0"], 0.0) == {"r0": 3}
+    assert idx.match(block_keys(TOKS, BS, lora_name="ad"), ["r0"], 0.0) == {"r0": 0}
+    assert idx.match(block_keys(TOKS, BS, cache_salt="salt"), ["r0"], 0.0) == {"r0": 0}
+    assert idx.match(KEYS, ["r0"], 0.0) == {"r0": 0}
+
+
+def test_predictions_blind_window() -> None:
+    idx = BlockIndex(block_size=BS)
+    idx.apply_event("r0", stored([1, 2], TOKS[:8]))
+    assert idx.predict("r0", KEYS[:6], now=10.0, ttl_s=2.0) == 4  # blocks 0-1 are real already
+    assert idx.predict("r1", KEYS[:3], now=10.0, ttl_s=5.0) == 3
+    assert idx.match(KEYS, R, 11.0) == {"r0": 6, "r1": 3, "r2": 0}
+    # The engine confirms blocks 2 and 3 on r0; 4 and 5 stay predicted.
+    idx.apply_event("r0", stored([3, 4], TOKS[8:16], parent=2))
+    assert idx.stats.predictions_confirmed == 2
+    assert idx.match(KEYS, R, 11.9) == {"r0": 6, "r1": 3, "r2": 0}
+    assert idx.match(KEYS, R, 12.0) == {"r0": 4, "r1": 3, "r2": 0}  # r0's unconfirmed expired
+    assert idx.stats.predictions_expired == 2
+    idx.predict("r1", KEYS[:2], now=14.0, ttl_s=5.0)  # extends blocks 0-1 to 19.0
+    assert idx.match(KEYS, R, 16.0)["r1"] == 2
+    assert idx.match(KEYS, R, 19.0)["r1"] == 0
+    assert idx.num_keys == 4  # only r0's real blocks remain
+
+
+def test_confirmed_prediction_survives_expiry_and_removal_is_exact() -> None:
+    idx = BlockIndex(block_size=BS)
+    idx.predict("r0", KEYS[:2], now=0.0, ttl_s=1.0)
+    idx.apply_event("r0", stored([1, 2], TOKS[:8]))
+    assert idx.match(KEYS, ["r0"], 5.0) == {"r0": 2}
+    idx.apply_event("r0", removed(2))
+    assert idx.match(KEYS, ["r0"], 5.0) == {"r0": 1}
+
+
+def test_capacity_evicts_least_recently_used() -> None:
+    idx = BlockIndex(block_size=BS, max_blocks=20, evict_slack=0.25)
+    rng = random.Random(0)
+    hot = [rng.randrange(1000) for _ in range(3 * BS)]
+    idx.apply_event("r0", stored([1, 2, 3], hot))
+    hot_keys = block_keys(hot, BS)
+    for n in range(10):
+        idx.match(hot_keys, ["r0"], 0.0)  # the hot prefix keeps being looked up
+        cold = [rng.randrange(1000) for _ in range(2 * BS)]
+        idx.apply_event("r0", stored([100 + 2 * n, 101 + 2 * n], cold))
+    assert idx.num_replica_blocks <= 20
+    assert idx.stats.evicted_blocks >= 3
+    assert idx.match(hot_keys, ["r0"], 0.0) == {"r0": 3}  # referenced keys got a second chance
+    idx.apply_event("r0", removed(100))  # the oldest cold block went first
+    assert idx.stats.unknown_removed == 1  # it was evicted here
+
+
+def test_memory_report() -> None:
+    idx = BlockIndex(block_size=BS)
+    assert idx.bytes_per_block() == 0.0
+    idx.apply_event("r0", stored(list(range(1, 11)), TOKS))
+    assert 50 < idx.bytes_per_block() < 2000
+    assert idx.memory_bytes() > 0
+
+
+def test_apply_event_rejects_non_events() -> None:
+    with pytest.raises(TypeError):
+        BlockIndex().apply_event("r0", "BlockStored")  # type: ignore[arg-type]
+
+
+def test_randomized_against_a_naive_model() -> None:
+    """Random stores/removes/duplicates on 3 replicas vs. recomputing from the held block set."""
+    rng = random.Random(1234)
+    idx = BlockIndex(block_size=BS)
+    vocab = 5
+    held: dict[str, dict[int, tuple[int, ...]]] = {r: {} for r in R}  # engine hash -> prefix tokens
+    copies: dict[str, dict[int, int]] = {r: {} for r in R}
+    for step in range(3000):
+        rid = rng.choice(R)
+        if rng.random() < 0.7 or not held[rid]:
+            # Store a chain continuing a held block (or from the root).
+            parent = rng.choice([None, *held[rid]]) if held[rid] else None
+            prefix = held[rid][parent] if parent is not None else ()
+            n = rng.randint(1, 3)
+            new_tokens = [rng.randrange(vocab) for _ in range(n * BS)]
+            hashes = []
+            seq = list(prefix)
+            for i in range(n):
+                seq += new_tokens[i * BS : (i + 1) * BS]
+                hashes.append(hash(("engine", tuple(seq))) & (2**64 - 1))
+            idx.apply_event(rid, stored(hashes, new_tokens, parent))
+            seq = list(prefix)
+            for i, h in enumerate(hashes):
+                seq += new_tokens[i * BS : (i + 1) * BS]
+                held[rid][h] = tuple(seq)
+                copies[rid][h] = copies[rid].get(h, 0) + 1
+        else:
+            # Mostly deep blocks first, as vLLM frees a request's tail blocks first.
+            h = max(rng.sample(list(held[rid]), min(3, len(held[rid]))), key=lambda e: len(held[rid][e]))
+            idx.apply_event(rid, removed(h))
+            copies[rid][h] -= 1
+            if not copies[rid][h]:
+                del copies[rid][h], held[rid][h]
+        if step % 50 == 0:
+            prefixes = {r: set(held[r].values()) for r in R}
+            candidates = sorted({p for r in R for p in prefixes[r]})
+            for probe in rng.sample(candidates, min(5, len(candidates))) if candidates else [()]:
+                probe_tokens = list(probe) + [rng.randrange(vocab) for _ in range(BS)]
+                want = {}
+                for r in R:
+                    n = 0
+                    while (n + 1) * BS <= len(probe_tokens) and tuple(probe_tokens[: (n + 1) * BS]) in prefixes[r]:
+                        n += 1
+                    want[r] = n
+                assert idx.match(block_keys(probe_tokens, BS), R, 0.0) == want
+    assert idx.num_replica_blocks == sum(len(h) for h in held.values())
+
+
+def test_real_vllm_block_pool_end_to_end() -> None:
+    """vLLM's BlockPool emits the events; our decoder and index must agree with block_keys()."""
+    pytest.importorskip("vllm.distributed.kv_events")
+    from vllm.distributed.kv_events import KVEventBatch
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256_cbor)
+    bs = 16
+    hasher = get_request_block_hasher(bs, sha256_cbor)
+    tokens = list(range(5000, 5000 + bs * 5 + 7))
+
+    def request(rid: str) -> Request:
+        return Request(
+            rid, tokens, SamplingParams(max_tokens=1), None, block_hasher=hasher,
+            cache_salt="tenant-a", lora_request=LoRARequest("ad", 1, "/adapters/ad"),
+        )
+
+    def flush(pool: BlockPool) -> None:
+        batch = KVEventBatch(ts=0.0, events=pool.take_events(), data_parallel_rank=0)
+        idx.apply_batch("r0", decode_batch(msgspec.msgpack.Encoder().encode(batch)))
+
+    idx = BlockIndex(block_size=bs)
+    pool = BlockPool(num_gpu_blocks=12, enable_caching=True, hash_block_size=bs, enable_kv_cache_events=True)
+    first = pool.get_new_blocks(5)
+    pool.cache_full_blocks(request("a"), first, 0, 2, bs, 0)  # chunked prefill: 2 blocks ...
+    pool.cache_full_blocks(request("a"), first, 2, 5, bs, 0)  # ... then 3 more
+    flush(pool)
+    keys = block_keys(tokens, bs, cache_salt="tenant-a", lora_name="ad")
+    assert idx.match(keys, ["r0"], 0.0) == {"r0": 5}
+    assert idx.match(block_keys(tokens, bs, lora_name="ad"), ["r0"], 0.0) == {"r0": 0}
+
+    # The same prompt cached again in other physical blocks: vLLM stores the same hashes twice.
+    second = pool.get_new_blocks(5)
+    pool.cache_full_blocks(request("b"), second, 0, 5, bs, 0)
+    flush(pool)
+    assert idx.stats.duplicate_stores == 5
+    # Free and evict the first copy: still held through the second.
+    pool.free_blocks(reversed(first))
+    others = pool.get_new_blocks(6)
+    flush(pool)
+    assert idx.stats.blocks_removed == 5
+    assert idx.match(keys, ["r0"], 0.0) == {"r0": 5}
+    # reset_prefix_cache needs every block free; then AllBlocksCleared empties the replica.
+    pool.free_blocks(reversed(second))
+    pool.free_blocks(others)
+    assert pool.reset_prefix_cache()
+    flush(pool)
+    assert idx.match(keys, ["r0"], 0.0) == {"r0": 0}
+    assert idx.stats.replica_clears == 1 and idx.num_replica_blocks == 0
