@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install model serve test test-unit bench clean
+.PHONY: install model serve test test-unit bench clean system-deps
 
 install: $(STAMP)
 
@@ -38,7 +38,13 @@ $(MODEL_DIR)/model.safetensors: | $(STAMP)
 serve: install model
 	$(VENV)/bin/serve run serve_config.yaml
 
-test: install model
+# The observability tests scrape the app with the real Prometheus server (Debian package).
+system-deps:
+	@command -v prometheus >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+test: install model system-deps
 	$(PY) -m pytest tests
 
 test-unit: install

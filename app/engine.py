@@ -129,12 +129,33 @@ class VLLMEngine:
     @staticmethod
     def _start_metrics_server() -> str:
         """Serve this process's Prometheus registry (vLLM's ``vllm:*`` metrics) on an
-        ephemeral port of the node IP; returns ``host:port`` for service discovery."""
-        from prometheus_client import start_http_server
+        ephemeral port of the node IP; returns ``host:port`` for service discovery.
+
+        Always the classic text format (``generate_latest``), as vLLM's own API
+        server does: prometheus-client's negotiated OpenMetrics output would rename
+        ``vllm:x`` to ``vllm_x`` for Prometheus 2.x scrapers.
+        """
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server API
+                body = generate_latest()
+                self.send_response(200 if self.path.startswith("/metrics") else 404)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
 
         host = os.environ["VLLM_HOST_IP"]
-        server, _thread = start_http_server(0, addr=host)
-        return f"{host}:{server.server_port}"
+        server = ThreadingHTTPServer((host, 0), Handler)
+        threading.Thread(target=server.serve_forever, name="engine-metrics", daemon=True).start()
+        return f"{host}:{server.server_address[1]}"
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """Stream the request's output as deltas (call with ``.options(stream=True)``).

@@ -121,11 +121,20 @@ def _exporter(s: dict[str, Any]):
 
 
 def vllm_otlp_endpoint() -> str | None:
-    """The endpoint to hand to vLLM's own tracing (``otlp_traces_endpoint``), if OTLP is on."""
+    """The endpoint to hand to vLLM's own tracing (``otlp_traces_endpoint``), if OTLP is on.
+
+    vLLM picks its exporter from ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` (default gRPC),
+    so this sets that variable to our protocol; over HTTP it needs the full
+    ``/v1/traces`` URL.
+    """
     s = _configured.get("settings") or {}
-    if _configured.get("exporting") and s.get("exporter") == "otlp" and s.get("endpoint"):
-        return s["endpoint"]
-    return None
+    if not (_configured.get("exporting") and s.get("exporter") == "otlp" and s.get("endpoint")):
+        return None
+    os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = s["protocol"]
+    endpoint = s["endpoint"].rstrip("/")
+    if s["protocol"] != "grpc" and not endpoint.endswith("/v1/traces"):
+        endpoint += "/v1/traces"
+    return endpoint
 
 
 def tracer() -> trace.Tracer:

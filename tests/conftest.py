@@ -24,6 +24,9 @@ BASE_URL = f"http://127.0.0.1:{TEST_HTTP_PORT}"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Keep every socket of the test cluster on loopback: Ray's node address, and the
+# engines' KV-event and metrics endpoints (which bind VLLM_HOST_IP).
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
 
 def default_config() -> dict[str, Any]:
@@ -79,7 +82,8 @@ def start_app(arg_overrides: dict[str, Any] | None = None, name: str = "prefix-s
         "http_options": {"host": "127.0.0.1", "port": TEST_HTTP_PORT},
         "applications": [entry],
     })
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+             _node_ip_address="127.0.0.1")
     client = serve_api.serve_start(http_options={"host": "127.0.0.1", "port": TEST_HTTP_PORT})
     client.deploy_apps(config, _blocking=False)
     _wait_ready(name)

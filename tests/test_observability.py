@@ -1,0 +1,203 @@
+"""Tracing and metrics on a running app, with real parts on both ends.
+
+Spans go over real OTLP/HTTP (protobuf) to a receiver in this process; the app
+is configured only through the standard ``OTEL_*`` variables, as a user would
+with ``make serve``. Metrics are scraped by the real Prometheus server (Debian
+package ``prometheus``) with the shipped ``infra/prometheus.yml``, and queried
+through its HTTP API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import time
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import REPO, TEST_HTTP_PORT, start_app, stop_all
+from tests.otlp_receiver import OTLPReceiver
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    r = OTLPReceiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def app(receiver):
+    env = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_SERVICE_NAME": "prefix-serve-test",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # Ray workers inherit the driver's environment
+    try:
+        running = start_app({"engine_replicas": {"num_replicas": 1}}, name="prefix-serve")
+        yield running
+    finally:
+        stop_all()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_traceparent_is_honoured_across_processes(app, receiver):
+    trace_id = secrets.token_hex(16)
+    parent_span = secrets.token_hex(8)
+    body = {"model": app.model, "messages": [{"role": "user", "content": "trace me " * 40}], "max_tokens": 4}
+    r = httpx.post(f"{app.base_url}/v1/chat/completions", json=body,
+                   headers={"traceparent": f"00-{trace_id}-{parent_span}-01"}, timeout=60)
+    assert r.status_code == 200
+    usage = r.json()["usage"]
+    deadline = time.monotonic() + 30
+    spans = []
+    while time.monotonic() < deadline:
+        spans = receiver.of_trace(trace_id)
+        names = {s["name"] for s in spans}
+        if {"prefix_serve.route", "prefix_serve.engine.generate", "prefix_serve.tokenize"} <= names and len(spans) >= 4:
+            break
+        time.sleep(0.5)
+    names = [s["name"] for s in spans]
+    assert len(spans) >= 4, names
+    processes = {s["resource"].get("service.instance.id") for s in spans if s["resource"].get("service.instance.id")}
+    assert len(processes) >= 2, processes
+    request = next(s for s in spans if s["name"] == f"chat {app.model}")
+    assert request["parent_span_id"] == parent_span
+    assert request["attributes"]["gen_ai.request.model"] == app.model
+    assert request["attributes"]["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+    assert request["attributes"]["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+    route = next(s for s in spans if s["name"] == "prefix_serve.route")
+    assert route["attributes"]["prefix_serve.route.replica_id"]
+    assert "prefix_serve.route.matched_tokens" in route["attributes"]
+    engine = next(s for s in spans if s["name"] == "prefix_serve.engine.generate")
+    assert engine["attributes"]["prefix_serve.cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+    assert engine["attributes"]["prefix_serve.ttft_s"] > 0
+    assert engine["resource"]["service.instance.role"] == "engine"
+    assert engine["attributes"]["prefix_serve.replica_id"] == route["attributes"]["prefix_serve.route.replica_id"]
+    assert all(s["resource"].get("service.name") in ("prefix-serve-test", None) or s["scope"].startswith("vllm")
+               for s in spans)
+
+
+def _families(text: str) -> set[str]:
+    """Series names a scrape can yield, including families with no sample yet."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "summary": ("_count", "_sum")}
+    names = set()
+    for fam in text_string_to_metric_families(text):
+        names.add(fam.name)
+        names.update(fam.name + suffix for suffix in suffixes.get(fam.type, ()))
+        names.update(sample.name for sample in fam.samples)
+    return names
+
+
+@pytest.fixture(scope="module")
+def prometheus(app, tmp_path_factory):
+    binary = shutil.which("prometheus")
+    assert binary, "the Prometheus server must be installed (make test installs Debian's package)"
+    cfg = yaml.safe_load((REPO / "infra" / "prometheus.yml").read_text())
+    cfg["global"]["scrape_interval"] = "1s"
+    for job in cfg["scrape_configs"]:
+        for sc in job.get("static_configs", []):
+            sc["targets"] = [f"127.0.0.1:{TEST_HTTP_PORT}"]
+        for sd in job.get("http_sd_configs", []):
+            sd["url"] = f"http://127.0.0.1:{TEST_HTTP_PORT}/metrics/engines"
+            sd["refresh_interval"] = "1s"
+    d = tmp_path_factory.mktemp("prometheus")
+    (d / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    port = 19090
+    proc = subprocess.Popen(
+        [binary, f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _query(url: str, expr: str) -> list[dict]:
+    r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()["data"]["result"]
+
+
+def test_prometheus_scrapes_hit_rate_and_engine_series(app, prometheus):
+    prompt = [(19 * i + 4) % 900 + 10 for i in range(256)]
+    prompt_tokens = cached_tokens = 0
+    for _ in range(3):
+        usage = app.openai().completions.create(model=app.model, prompt=prompt, max_tokens=1).usage
+        prompt_tokens += usage.prompt_tokens
+        cached_tokens += usage.prompt_tokens_details.cached_tokens
+    before = httpx.get(f"{app.base_url}/metrics", timeout=10).text
+    fams = {f.name: f for f in text_string_to_metric_families(before)}
+    # Counters since the app started: the observability test's chat request plus these three.
+    engine_prompt = fams["prefix_serve_prompt_tokens"].samples[0].value
+    engine_cached = fams["prefix_serve_cached_tokens"].samples[0].value
+    assert engine_prompt >= prompt_tokens and engine_cached >= cached_tokens == 2 * (255 // 32 * 32)
+    expected_rate = engine_cached / engine_prompt
+    expr = "sum(prefix_serve_cached_tokens_total) / sum(prefix_serve_prompt_tokens_total)"
+    deadline = time.monotonic() + 60
+    result = []
+    while time.monotonic() < deadline:
+        result = _query(prometheus, expr)
+        if result and abs(float(result[0]["value"][1]) - expected_rate) < 1e-9:
+            break
+        time.sleep(1)
+    assert result and float(result[0]["value"][1]) == pytest.approx(expected_rate)
+    router = _query(prometheus, "sum(prefix_serve_router_predicted_cached_tokens_total)")
+    assert router and float(router[0]["value"][1]) >= cached_tokens
+    # The engine replica's own vLLM series, found through /metrics/engines (HTTP SD).
+    deadline = time.monotonic() + 60
+    hits = []
+    while time.monotonic() < deadline:
+        hits = _query(prometheus, 'sum by (replica) (vllm:prefix_cache_hits_total)')
+        if hits and float(hits[0]["value"][1]) >= cached_tokens:
+            break
+        time.sleep(1)
+    assert hits and hits[0]["metric"]["replica"] and float(hits[0]["value"][1]) >= cached_tokens
+
+
+def test_grafana_dashboard_references_only_exported_series(app, prometheus):
+    dash = json.loads((REPO / "infra" / "grafana" / "prefix-serve-dashboard.json").read_text())
+    assert dash["title"] and dash["panels"] and dash["schemaVersion"] >= 30
+    exported = _families(httpx.get(f"{app.base_url}/metrics", timeout=10).text)
+    targets = httpx.get(f"{app.base_url}/metrics/engines", timeout=10).json()
+    assert targets and targets[0]["targets"]
+    exported |= _families(httpx.get(f"http://{targets[0]['targets'][0]}/metrics", timeout=10).text)
+    functions = {"sum", "rate", "max", "by", "histogram_quantile", "le", "replica", "reason", "cause", "kind", "route", "status"}
+    for panel in dash["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            expr = target["expr"]
+            # Check the expression parses in the real Prometheus.
+            r = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=10)
+            assert r.status_code == 200, (panel["title"], expr, r.text)
+            without_labels = re.sub(r"\{[^}]*\}", "", expr)
+            without_ranges = re.sub(r"\[[^\]]*\]", "", without_labels)
+            for name in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", without_ranges):
+                if name in functions:
+                    continue
+                assert name in exported, f"panel {panel['title']!r} uses {name}, which the app does not export"
