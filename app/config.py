@@ -94,6 +94,11 @@ class AppArgs(_Strict):
     engine_replicas: ReplicaConfig = ReplicaConfig(num_replicas=2, num_cpus=0.5)
     ingress_replicas: ReplicaConfig = ReplicaConfig(num_replicas=1, num_cpus=0.25, max_ongoing_requests=256)
     tracing: TracingConfig = TracingConfig()
+    api_key_env: str = Field(
+        "PREFIX_SERVE_API_KEY",
+        description="name of the environment variable holding the bearer API key; unset or empty = no auth",
+    )
+    metrics_public: bool = Field(False, description="serve /metrics and /metrics/engines without the API key")
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get HTTP 413")
 
     def resolved_model(self) -> str:

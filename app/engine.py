@@ -167,7 +167,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         params = request.sampling_params
@@ -202,7 +202,7 @@ class VLLMEngine:
             replica_id=self.replica_id,
             text=completion.text,
             token_ids=list(completion.token_ids),
-            num_prompt_tokens=len(out.prompt_token_ids or request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=int(out.num_cached_tokens or 0),
             num_output_tokens=num_output,
             finish_reason=completion.finish_reason,

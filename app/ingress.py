@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+from array import array
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -34,7 +35,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray.serve.handle import DeploymentHandle
 
-from app import metrics, tracing
+from app import auth, metrics, tracing
 from app.config import AppArgs
 from app.errors import OpenAIError, error_body
 from app.protocol import EngineOutput, EngineRequest
@@ -57,6 +58,14 @@ async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
 @fastapi_app.exception_handler(StarletteHTTPException)
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
+
+
+@fastapi_app.middleware("http")
+async def _require_api_key(request: Request, call_next):
+    refused = auth.rejection(request.url.path, request.headers.get("authorization"))
+    if refused is not None:
+        return JSONResponse(refused[0], status_code=refused[1])
+    return await call_next(request)
 
 
 def _sse(obj: Any) -> str:
@@ -118,6 +127,8 @@ class OpenAIIngress:
         self.tokenizer = AutoTokenizer.from_pretrained(self.args.resolved_tokenizer())
         self.vocab_size = len(self.tokenizer)
         tracing.setup_tracing(self.args.tracing, "ingress")
+        auth.configure(self.args.api_key_env,
+                       frozenset({"/metrics", "/metrics/engines"}) if self.args.metrics_public else frozenset())
 
     # ----------------------------------------------------------------- HTTP routes
 
@@ -432,7 +443,7 @@ class OpenAIIngress:
             raise OpenAIError(str(e), 400) from None
         return EngineRequest(
             request_id=f"{prefix}-{uuid.uuid4().hex}",
-            prompt_token_ids=prompt_ids,
+            prompt_token_ids=array("I", prompt_ids),
             sampling_params=params,
             cache_salt=req.cache_salt,
             trace_headers=tracing.inject(),

@@ -8,6 +8,7 @@ dataclasses so a router process can read them without importing vLLM.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,9 @@ class EngineRequest:
 
     Attributes:
         request_id: unique id, also used as vLLM's request id.
-        prompt_token_ids: the full prompt (chat template applied), shape ``[n_prompt]``.
+        prompt_token_ids: the full prompt (chat template applied), shape ``[n_prompt]``,
+            as ``array('I')``: compact to send between processes and read by the
+            router's block-key hashing without conversion.
         sampling_params: a ``vllm.SamplingParams`` built by the ingress (kept as
             ``Any`` so this module does not import vLLM).
         cache_salt: tenant salt; blocks under different salts never match.
@@ -38,7 +41,7 @@ class EngineRequest:
     """
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: array
     sampling_params: Any
     cache_salt: str | None = None
     lora_name: str | None = None

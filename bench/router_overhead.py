@@ -19,13 +19,13 @@ Pure Python on one core, no tokenization, no engines:
   the second pass is timed: the first grows the process heap (page faults a
   long-running router paid once); its rate is in ``ingest_by_block_size``.
 * ``lookup_us``: per-request router work for prompts of 1k, 8k and 32k
-  tokens against the 16 steady-state replicas: block keys of the prompt (from a token
-  list) + ``BlockIndex.match`` + building 16 ``ReplicaView`` + ``choose_replica``.
+  tokens against the 16 steady-state replicas: block keys of the prompt (from
+  the ``array('I')`` the ingress produces when it tokenizes) + ``BlockIndex.match``
+  + building 16 ``ReplicaView`` + ``choose_replica``.
   p50 / p99 in microseconds of wall time, at block size 16 (top level) and
   32 (``lookup_us_by_block_size``), after 50 untimed lookups.  Prompts are a
-  stored document followed by fresh tokens, built as a new list of new ints
-  before each lookup (like a tokenizer's output), so the walk crosses many
-  matched blocks.
+  stored document followed by fresh tokens, built as a new array before
+  each lookup, so the walk crosses many matched blocks.
 * ``bytes_per_block``: heap bytes (tracemalloc) of a built index per
   (replica, block) entry.
 
@@ -199,7 +199,7 @@ def bench_lookup(index: BlockIndex, docs: list[list[int]], block_size: int, prom
     """Keys + match + views + policy for ``n`` prompts of ``prompt_len`` tokens.
 
     Each prompt is a stored document followed by fresh tokens, built just
-    before its lookup as a new list of new ints, like a tokenizer's output.
+    before its lookup as a new ``array('I')``, as the ingress hands it over.
     """
     rng = random.Random(prompt_len)
     replicas = tuple(f"replica-{r}" for r in range(NUM_REPLICAS))
@@ -213,7 +213,9 @@ def bench_lookup(index: BlockIndex, docs: list[list[int]], block_size: int, prom
     for i in range(n + WARMUP_LOOKUPS):
         doc = rng.choice(fitting)
         tail = array("I", [rng.randrange(VOCAB) for _ in range(prompt_len - len(doc))])
-        prompt = (doc + tail).tolist()  # fresh int objects, as the tokenizer returns them
+        # A fresh array('I'), as the ingress hands token ids to the router
+        # (EngineRequest.prompt_token_ids); tokenization is not timed.
+        prompt = array("I", (doc + tail).tolist())
         t0 = time.perf_counter_ns()
         keys = block_keys(prompt, block_size)
         matched = index.match(keys, replicas, 0.0)

@@ -57,7 +57,13 @@ class RunningApp:
     def openai(self):
         from openai import OpenAI
 
-        return OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", timeout=120, max_retries=0)
+        return OpenAI(base_url=f"{self.base_url}/v1", api_key=os.environ.get("PREFIX_SERVE_API_KEY") or "unused",
+                      timeout=120, max_retries=0)
+
+    def headers(self) -> dict[str, str]:
+        """The bearer header when the app runs with an API key."""
+        key = os.environ.get("PREFIX_SERVE_API_KEY")
+        return {"authorization": f"Bearer {key}"} if key else {}
 
 
 def start_app(arg_overrides: dict[str, Any] | None = None, name: str = "prefix-serve",
@@ -98,7 +104,9 @@ def _wait_ready(name: str, timeout_s: float = 600.0) -> None:
         status = serve.status().applications.get(name)
         if status is not None and status.status == "RUNNING":
             try:
-                if httpx.get(f"{BASE_URL}/health", timeout=10).status_code == 200:
+                key = os.environ.get("PREFIX_SERVE_API_KEY")
+                headers = {"authorization": f"Bearer {key}"} if key else {}
+                if httpx.get(f"{BASE_URL}/health", headers=headers, timeout=10).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -1,10 +1,12 @@
-"""Tracing and metrics on a running app, with real parts on both ends.
+"""Tracing, metrics and the API key on a running app, with real parts on both ends.
 
 Spans go over real OTLP/HTTP (protobuf) to a receiver in this process; the app
 is configured only through the standard ``OTEL_*`` variables, as a user would
 with ``make serve``. Metrics are scraped by the real Prometheus server (Debian
 package ``prometheus``) with the shipped ``infra/prometheus.yml``, and queried
-through its HTTP API.
+through its HTTP API. The app runs with an API key (``PREFIX_SERVE_API_KEY``):
+Prometheus scrapes with it, and the module checks that neither the key nor a
+``cache_salt`` is written to any span or log in clear.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ from tests.otlp_receiver import OTLPReceiver
 
 pytestmark = pytest.mark.engine
 
+API_KEY = "sk-test-" + secrets.token_hex(12)
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+SALT = "tenant-" + secrets.token_hex(6)
+
 
 @pytest.fixture(scope="module")
 def receiver():
@@ -42,6 +48,7 @@ def app(receiver):
         "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
         "OTEL_SERVICE_NAME": "prefix-serve-test",
+        "PREFIX_SERVE_API_KEY": API_KEY,
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # Ray workers inherit the driver's environment
@@ -62,7 +69,7 @@ def test_traceparent_is_honoured_across_processes(app, receiver):
     parent_span = secrets.token_hex(8)
     body = {"model": app.model, "messages": [{"role": "user", "content": "trace me " * 40}], "max_tokens": 4}
     r = httpx.post(f"{app.base_url}/v1/chat/completions", json=body,
-                   headers={"traceparent": f"00-{trace_id}-{parent_span}-01"}, timeout=60)
+                   headers={"traceparent": f"00-{trace_id}-{parent_span}-01", **AUTH}, timeout=60)
     assert r.status_code == 200
     usage = r.json()["usage"]
     deadline = time.monotonic() + 30
@@ -112,11 +119,13 @@ def prometheus(app, tmp_path_factory):
     cfg = yaml.safe_load((REPO / "infra" / "prometheus.yml").read_text())
     cfg["global"]["scrape_interval"] = "1s"
     for job in cfg["scrape_configs"]:
+        job["authorization"] = {"type": "Bearer", "credentials": API_KEY}
         for sc in job.get("static_configs", []):
             sc["targets"] = [f"127.0.0.1:{TEST_HTTP_PORT}"]
         for sd in job.get("http_sd_configs", []):
             sd["url"] = f"http://127.0.0.1:{TEST_HTTP_PORT}/metrics/engines"
             sd["refresh_interval"] = "1s"
+            sd["authorization"] = {"type": "Bearer", "credentials": API_KEY}
     d = tmp_path_factory.mktemp("prometheus")
     (d / "prometheus.yml").write_text(yaml.safe_dump(cfg))
     port = 19090
@@ -151,7 +160,7 @@ def test_prometheus_scrapes_hit_rate_and_engine_series(app, prometheus):
         usage = app.openai().completions.create(model=app.model, prompt=prompt, max_tokens=1).usage
         prompt_tokens += usage.prompt_tokens
         cached_tokens += usage.prompt_tokens_details.cached_tokens
-    before = httpx.get(f"{app.base_url}/metrics", timeout=10).text
+    before = httpx.get(f"{app.base_url}/metrics", headers=AUTH, timeout=10).text
     fams = {f.name: f for f in text_string_to_metric_families(before)}
     # Counters since the app started: the observability test's chat request plus these three.
     engine_prompt = fams["prefix_serve_prompt_tokens"].samples[0].value
@@ -183,8 +192,8 @@ def test_prometheus_scrapes_hit_rate_and_engine_series(app, prometheus):
 def test_grafana_dashboard_references_only_exported_series(app, prometheus):
     dash = json.loads((REPO / "infra" / "grafana" / "prefix-serve-dashboard.json").read_text())
     assert dash["title"] and dash["panels"] and dash["schemaVersion"] >= 30
-    exported = _families(httpx.get(f"{app.base_url}/metrics", timeout=10).text)
-    targets = httpx.get(f"{app.base_url}/metrics/engines", timeout=10).json()
+    exported = _families(httpx.get(f"{app.base_url}/metrics", headers=AUTH, timeout=10).text)
+    targets = httpx.get(f"{app.base_url}/metrics/engines", headers=AUTH, timeout=10).json()
     assert targets and targets[0]["targets"]
     exported |= _families(httpx.get(f"http://{targets[0]['targets'][0]}/metrics", timeout=10).text)
     functions = {"sum", "rate", "max", "by", "histogram_quantile", "le", "replica", "reason", "cause", "kind", "route", "status"}
@@ -201,3 +210,35 @@ def test_grafana_dashboard_references_only_exported_series(app, prometheus):
                 if name in functions:
                     continue
                 assert name in exported, f"panel {panel['title']!r} uses {name}, which the app does not export"
+
+
+@pytest.mark.parametrize("method, path", [
+    ("GET", "/health"), ("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/metrics/engines"),
+    ("GET", "/debug/routing"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+])
+@pytest.mark.parametrize("auth", [None, "Bearer wrong-key", f"Basic {API_KEY}", API_KEY])
+def test_every_route_requires_the_api_key(app, method, path, auth):
+    headers = {"authorization": auth} if auth else {}
+    r = httpx.request(method, f"{app.base_url}{path}", headers=headers, json={}, timeout=30)
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == 401
+    ok = httpx.get(f"{app.base_url}/v1/models", headers=AUTH, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_key_and_salt_never_written_in_clear(app, receiver):
+    client = app.openai()
+    prompt = [(23 * i + 7) % 900 + 10 for i in range(128)]
+    client.completions.create(model=app.model, prompt=prompt, max_tokens=2, extra_body={"cache_salt": SALT})
+    time.sleep(2)  # batch span processors flush every 0.5 s
+    spans_text = json.dumps(receiver.spans)
+    assert receiver.spans and API_KEY not in spans_text and SALT not in spans_text
+    import ray
+
+    logs_dir = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
+    for root, _dirs, files in os.walk(logs_dir):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                data = f.read()
+            assert API_KEY.encode() not in data, name
+            assert SALT.encode() not in data, name
