@@ -18,8 +18,10 @@ Sequence tracking, per replica (``seq`` starts at 0 in each engine process):
   ``seq == 0`` after others means the engine restarted: entries dropped, tracking
   restarts at 0.
 
-Bad frames (garbage, truncated msgpack, wrong frame count) are dropped and
-counted; they never stop ingestion. Nothing here imports Ray or vLLM.
+Bad frames (garbage, truncated msgpack, wrong frame count) and payloads above
+``max_payload_bytes`` are dropped and counted (``decode_errors``, ``oversized``);
+a dropped message leaves a seq gap, so the next good one triggers a replay and
+the index stays exact. Nothing here imports Ray or vLLM.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import zmq
@@ -47,6 +49,7 @@ class IngestStats:
     skipped_events: int = 0
     decode_errors: int = 0
     duplicates: int = 0
+    oversized: int = 0
     gaps: int = 0
     replays: int = 0
     replayed_batches: int = 0
@@ -68,7 +71,6 @@ class _Source:
     expected: int | None = None  # next seq to apply; None before the first message
     last_event_at: float = 0.0  # local clock (time.time) of the last applied batch
     batches: int = 0
-    stats: dict[str, int] = field(default_factory=dict)
 
 
 class EventSubscriber:
@@ -78,14 +80,16 @@ class EventSubscriber:
         index: the block index to fold events into.
         lock: guards ``index``; hold it for every read of the index too.
         replay_timeout_s: how long to wait for a replay answer before giving up.
+        max_payload_bytes: larger event batches are dropped (and counted).
         clock: wall clock in seconds (batch ``ts`` is the engine's wall clock).
     """
 
     def __init__(self, index: BlockIndex, lock: threading.Lock, replay_timeout_s: float = 1.0,
-                 clock: Callable[[], float] = time.time):
+                 max_payload_bytes: int = 64 * 1024 * 1024, clock: Callable[[], float] = time.time):
         self.index = index
         self.lock = lock
         self.replay_timeout_s = replay_timeout_s
+        self.max_payload_bytes = max_payload_bytes
         self.clock = clock
         self.stats = IngestStats()
         self._ctx = zmq.Context.instance()
@@ -173,6 +177,9 @@ class EventSubscriber:
             self._handle(src, frames)
 
     def _handle(self, src: _Source, frames: list[bytes]) -> None:
+        if frames and len(frames[-1]) > self.max_payload_bytes:
+            self.stats.oversized += 1
+            return
         try:
             _topic, seq, batch = decode_frames(frames)
         except EventDecodeError as e:
@@ -232,6 +239,9 @@ class EventSubscriber:
                     frames = frames[1:]
                 if is_replay_end(frames):
                     break
+                if len(frames[-1]) > self.max_payload_bytes:
+                    self.stats.oversized += 1
+                    return False
                 try:
                     _t, seq, batch = decode_frames(frames)
                 except EventDecodeError:
