@@ -9,9 +9,11 @@ prompt token.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -127,13 +129,53 @@ def engine_replica_pid(replica_uid: str) -> int:
     return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
 
 
-def test_replica_loss_drops_its_entries_and_service_continues(app):
+class Stream(threading.Thread):
+    """One streamed completion read to the end; records chunks, error events and timing."""
+
+    def __init__(self, app, prompt, max_tokens):
+        super().__init__(daemon=True)
+        self.body = {"model": app.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                     "ignore_eos": True}
+        self.url = f"{app.base_url}/v1/completions"
+        self.chunks, self.error, self.request_id, self.done, self.ended_at = 0, None, None, False, None
+
+    def run(self):
+        try:
+            with httpx.stream("POST", self.url, json=self.body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[len("data: "):]
+                    if data == "[DONE]":
+                        self.done = True
+                        break
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        self.error = obj["error"]
+                        continue
+                    self.request_id = obj["id"]
+                    self.chunks += 1
+        except Exception as e:  # noqa: BLE001 - recorded for the assertion message
+            self.error = {"message": repr(e)}
+        self.ended_at = time.monotonic()
+
+
+def test_replica_loss_mid_stream_then_replacement_is_indexed(app):
     snap = routing(app)
     assert len(snap["subscribed"]) == 2
-    victim = max(snap["replica_blocks"], key=lambda u: snap["replica_blocks"][u])
-    assert snap["replica_blocks"][victim] > 0
+    streams = [Stream(app, tokens(700 + i, 64), max_tokens=400) for i in range(4)]
+    for s in streams:
+        s.start()
+    wait_until = time.monotonic() + 60
+    while time.monotonic() < wait_until and not all(s.chunks >= 2 for s in streams):
+        time.sleep(0.1)
+    assert all(s.chunks >= 2 for s in streams), [s.error for s in streams]
+    placement = {s.request_id: decision(app, s.request_id)["replica_id"] for s in streams}
+    victim = placement[streams[0].request_id]
     os.kill(engine_replica_pid(victim), signal.SIGKILL)
     killed_at = time.monotonic()
+
+    # 1. The dead replica's index entries go within 10 s.
     gone_after = None
     while time.monotonic() - killed_at < 30:
         snap = routing(app)
@@ -142,7 +184,40 @@ def test_replica_loss_drops_its_entries_and_service_continues(app):
             break
         time.sleep(0.25)
     assert gone_after is not None and gone_after <= 10.0, f"entries of {victim} still indexed"
-    # New requests succeed while Serve replaces the replica.
+
+    # 2. No stream hangs: those on the victim end with an error event, the others finish.
+    for s in streams:
+        s.join(timeout=max(1.0, 60 - (time.monotonic() - killed_at)))
+        assert not s.is_alive(), "a stream hung after its replica died"
+        assert s.done, s.error
+        if placement[s.request_id] == victim:
+            assert s.error is not None and s.error["code"] == 503
+        else:
+            assert s.error is None and s.chunks >= 1
+
+    # 3. New requests succeed while Serve replaces the replica.
     for i in range(4):
-        out = complete(app, tokens(500 + i, 200))
-        assert out["usage"]["completion_tokens"] == 1
+        assert complete(app, tokens(500 + i, 200))["usage"]["completion_tokens"] == 1
+
+    # 4. The replacement (its KV events start again at seq 0) is subscribed and indexed.
+    deadline = time.monotonic() + 240
+    new = None
+    while time.monotonic() < deadline and new is None:
+        subscribed = set(routing(app)["subscribed"])
+        fresh = subscribed - set(placement.values()) - {victim}
+        if len(subscribed) == 2 and fresh:
+            new = fresh.pop()
+        else:
+            time.sleep(1)
+    assert new is not None, "no replacement replica was subscribed"
+    for i in range(20):
+        out = complete(app, tokens(900 + i, 300))
+        if decision(app, out["id"])["replica_id"] == new:
+            break
+    else:
+        pytest.fail("no request reached the replacement replica")
+    prompt_blocks = 300 // BLOCK
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and routing(app)["replica_blocks"].get(new, 0) < prompt_blocks:
+        time.sleep(0.2)
+    assert routing(app)["replica_blocks"].get(new, 0) >= prompt_blocks
