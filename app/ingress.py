@@ -99,6 +99,10 @@ def _validate(model_cls, body: Any):
         raise OpenAIError(f"{loc}: {first.get('msg')}" if loc else str(first.get("msg")), 400, param=loc or None) from None
     except (ValueError, VLLMClientError) as e:
         raise OpenAIError(str(e), 400, param=getattr(e, "parameter", None)) from None
+    except (TypeError, KeyError, AttributeError, IndexError) as e:
+        # vLLM's "before" validators assume well-formed shapes (e.g. iterate
+        # `messages`); on malformed client data they raise these instead.
+        raise OpenAIError(f"malformed request body: {type(e).__name__}: {e}", 400) from None
 
 
 def _usage(last: EngineOutput):

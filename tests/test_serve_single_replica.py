@@ -166,3 +166,64 @@ def test_python_handle_from_a_second_serve_app(app):
     assert result["stream_usage"]["completion_tokens"] == result["unary_usage"]["completion_tokens"]
     # Greedy decoding: the streamed pieces spell the unary answer.
     assert "".join(result["stream_pieces"]) == result["unary_text"]
+
+
+def test_oversized_body_gets_413_then_service_continues(app):
+    big = json.dumps({"model": app.model, "prompt": "x" * (5 * 1024 * 1024), "max_tokens": 1})
+    r = httpx.post(f"{app.base_url}/v1/completions", content=big, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    assert app.openai().completions.create(model=app.model, prompt="ok", max_tokens=1).usage.completion_tokens == 1
+
+
+# ------------------------------------------------------------------ schema-driven fuzzing
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=False),
+                          st.text(max_size=40))
+_json = st.recursive(_json_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                             st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                     max_leaves=12)
+_messages = st.one_of(
+    _json,
+    st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "", 7]),
+                                    "content": st.one_of(st.text(max_size=60), _json)}), max_size=3),
+)
+_common = {
+    "model": st.one_of(st.just("tiny-qwen2"), _json),
+    "max_tokens": st.one_of(st.integers(-5, 3), st.integers(4000, 10**9), _json),
+    "temperature": st.one_of(st.floats(-1, 3, allow_nan=False), _json),
+    "stream": st.one_of(st.booleans(), _json),
+    "cache_salt": st.one_of(st.text(max_size=140), _json),
+    "n": st.one_of(st.integers(-1, 3), _json),
+    "stop": _json,
+}
+_chat_bodies = st.fixed_dictionaries({"messages": _messages}, optional=_common)
+_completion_bodies = st.fixed_dictionaries(
+    {"prompt": st.one_of(st.text(max_size=80), st.lists(st.integers(-5, 2000), max_size=40), _json)},
+    optional=_common)
+
+
+def _check_fuzz_response(r: httpx.Response) -> None:
+    assert r.status_code < 500, r.text[:300]
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert err["code"] == r.status_code and isinstance(err["message"], str) and err["message"]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(route=st.sampled_from(["chat", "completions"]), chat=_chat_bodies, completion=_completion_bodies)
+def test_fuzzed_bodies_never_cause_5xx_or_hangs(app, route, chat, completion):
+    path, body = ("/v1/chat/completions", chat) if route == "chat" else ("/v1/completions", completion)
+    if isinstance(body.get("max_tokens"), int) and 1 <= body["max_tokens"] <= 3:
+        pass  # a valid, short generation
+    elif "max_tokens" not in body:
+        body["max_tokens"] = 2  # keep valid requests short on CPU
+    r = httpx.post(f"{app.base_url}{path}", json=body, timeout=60)
+    _check_fuzz_response(r)
+
+
+def test_service_is_healthy_after_fuzzing(app):
+    ok = app.openai().chat.completions.create(model=app.model, messages=[{"role": "user", "content": "still there?"}],
+                                              max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
