@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install model serve test test-unit bench clean system-deps
+.PHONY: install model serve test test-unit bench soak clean system-deps
 
 install: $(STAMP)
 
@@ -52,6 +52,10 @@ test-unit: install
 
 bench: install
 	$(PY) -m bench.router_overhead --json reports/router_overhead.json
+
+# 5-minute soak of the default CPU config (serve run on 127.0.0.1:8000): 16 streams, mixed workloads.
+soak: install model
+	$(PY) -m bench.soak --duration-s 300 --concurrency 16
 
 clean:
 	rm -rf $(VENV) models reports .pytest_cache

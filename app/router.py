@@ -26,7 +26,7 @@ import logging
 import random
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 from ray.serve._private.request_router.common import PendingRequest
@@ -43,6 +43,7 @@ from routing.policy import PolicyConfig, ReplicaView, RoutingRequest, cached_tok
 from routing.subscriber import EventSubscriber
 
 logger = logging.getLogger("prefix_serve.router")
+_MAX_PENDING = 100_000
 # Ray Serve pickles this module BY VALUE into every process that routes: keep
 # shared state (metrics, the router registry) in app.metrics and reach it through
 # the module (``metrics.X``): module-level objects here would be copied, not shared.
@@ -64,6 +65,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self._pending: dict[str, tuple[list[int], int, int, Any]] = {}  # internal id -> (keys, prompt_len, block_size, decision)
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()  # EngineRequest.request_id -> decision
         self._chosen_at: dict[str, int] = {}  # internal id -> routing start (ns), for the routing span
+        self._timings: deque[tuple[float, float]] = deque(maxlen=200_000)  # (monotonic s, decision s)
         metrics.ROUTERS.add(self)
 
     # ------------------------------------------------------------- replica set changes
@@ -118,6 +120,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
 
     def _choose(self, candidates: list[RunningReplica], pending: PendingRequest | None) -> list[list[RunningReplica]]:
         t0 = time.perf_counter()
+        start_ns = time.time_ns()
         request = pending.args[0] if pending is not None and pending.args else None
         if not isinstance(request, EngineRequest):
             # Not a generate call (health checks, admin methods): least in-flight first.
@@ -161,8 +164,13 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self._pending[internal_id] = (keys, prompt_len, block_size, decision)
         by_uid = dict(zip(uids, candidates))
         rest = sorted((u for u in uids if u != decision.replica_id), key=lambda u: decision.costs.get(u, 0.0))
-        metrics.ROUTING_SECONDS.observe(time.perf_counter() - t0)
-        self._chosen_at[internal_id] = time.time_ns()
+        elapsed = time.perf_counter() - t0
+        metrics.ROUTING_SECONDS.observe(elapsed)
+        self._timings.append((time.monotonic(), elapsed))
+        self._chosen_at[internal_id] = start_ns
+        for stale in (self._pending, self._chosen_at):  # requests cancelled before they were sent
+            while len(stale) > _MAX_PENDING:
+                stale.pop(next(iter(stale)))
         return [[by_uid[decision.replica_id]], [by_uid[u] for u in rest]] if rest else [[by_uid[decision.replica_id]]]
 
     def _block_size(self, candidates: list[RunningReplica]) -> int | None:
@@ -280,4 +288,14 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         snap["subscribed"] = self.subscriber.endpoints()
         snap["events"] = self.subscriber.stats.as_dict()
         snap["inflight"] = {uid: len(v) for uid, v in self.inflight.items()}
+        snap["decision_us_last_60s"] = self.decision_summary(60.0)
         return snap
+
+    def decision_summary(self, window_s: float) -> dict[str, float]:
+        """Count, p50 and p99 (microseconds) of routing decisions in the last ``window_s``."""
+        cutoff = time.monotonic() - window_s
+        recent = sorted(d for t, d in list(self._timings) if t >= cutoff)
+        if not recent:
+            return {"count": 0, "p50": 0.0, "p99": 0.0}
+        pick = lambda q: recent[min(len(recent) - 1, int(q * len(recent)))] * 1e6  # noqa: E731
+        return {"count": len(recent), "p50": round(pick(0.50), 1), "p99": round(pick(0.99), 1)}

@@ -1,0 +1,236 @@
+"""Bounded soak of the live app: ``python -m bench.soak`` (``make soak``).
+
+Starts ``serve run serve_config.yaml`` (the default CPU config, loopback only)
+unless ``--url`` points at a running app, then keeps ``--concurrency`` streamed
+requests in flight for ``--duration-s`` seconds, mixing four workloads (shared
+system prompts, multi-turn chats, RAG documents × questions, tenants with a
+``cache_salt``). It prints a line every 30 s and, at the end:
+
+* requests, errors (non-200 status or an error event in the stream), TTFT p50/p99;
+* the router's index size against its cap (``max_indexed_blocks``) and memory;
+* the router's decision time p99 in the first and in the last minute
+  (``/debug/routing`` → ``decision_us_last_60s``), and whether it stayed within
+  2× (stable).
+
+Exits 1 if there was any error, the index exceeded its cap, or the routing
+overhead was not stable. Everything is bounded: the load stops at the deadline,
+every request has a timeout, and the app it started is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB = (10, 1000)  # token ids the tiny model's tokenizer knows
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*VOCAB) for _ in range(n)]
+
+
+class Workloads:
+    """Deterministic request bodies for the four mixed workloads (token-id prompts)."""
+
+    def __init__(self, seed: int, model: str):
+        rng = random.Random(seed)
+        self.rng = rng
+        self.model = model
+        self.system_prompts = [_ids(rng, 1024) for _ in range(6)]
+        self.documents = [_ids(rng, 1536) for _ in range(8)]
+        self.sessions: dict[int, list[int]] = {}
+
+    def next_body(self) -> dict:
+        rng = self.rng
+        kind = rng.choice(("system", "chat", "rag", "tenant"))
+        salt = None
+        if kind == "system":  # skewed popularity: Zipf-like weights over 6 prompts
+            prompt = rng.choices(self.system_prompts, weights=[1 / (i + 1) for i in range(6)])[0] + _ids(rng, 32)
+        elif kind == "chat":  # a session grows by a turn; reset before the context fills
+            sid = rng.randrange(12)
+            history = self.sessions.get(sid, [])
+            if len(history) > 2400:
+                history = []
+            history = history + _ids(rng, 96)
+            self.sessions[sid] = history
+            prompt = history
+        elif kind == "rag":
+            prompt = rng.choice(self.documents) + _ids(rng, 24)
+        else:
+            tenant = rng.randrange(4)
+            salt = f"tenant-{tenant}"
+            prompt = self.system_prompts[tenant] + _ids(rng, 16)
+        body = {"model": self.model, "prompt": prompt, "max_tokens": rng.randint(4, 16), "stream": True,
+                "stream_options": {"include_usage": True}}
+        if salt:
+            body["cache_salt"] = salt
+        return body
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict, headers: dict, out: dict) -> None:
+    started = time.perf_counter()
+    ttft = None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120) as r:
+            if r.status_code != 200:
+                out["errors"].append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                if "error" in obj:
+                    out["errors"].append(f"error event: {obj['error']}")
+                    return
+                if ttft is None and obj.get("choices"):
+                    ttft = time.perf_counter() - started
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        out["errors"].append(repr(e))
+        return
+    out["requests"] += 1
+    if ttft is not None:
+        out["ttft"].append(ttft)
+
+
+async def _routing(client: httpx.AsyncClient, url: str, headers: dict) -> dict:
+    r = await client.get(f"{url}/debug/routing", headers=headers, timeout=30)
+    routers = r.json()["routers"]
+    return routers[0] if routers else {}
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def soak(url: str, duration_s: float, concurrency: int, seed: int, model: str, cap_blocks: int) -> int:
+    key = os.environ.get("PREFIX_SERVE_API_KEY")
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    work = Workloads(seed, model)
+    out: dict = {"requests": 0, "errors": [], "ttft": []}
+    deadline = time.monotonic() + duration_s
+    started = time.monotonic()
+    first_minute: dict = {}
+    last_minute: dict = {}
+    max_blocks = 0
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+
+        async def worker():
+            while time.monotonic() < deadline:
+                await _one(client, url, work.next_body(), headers, out)
+
+        async def monitor():
+            nonlocal first_minute, last_minute, max_blocks
+            next_report = started + 30
+            while time.monotonic() < deadline:
+                await asyncio.sleep(1)
+                snap = await _routing(client, url, headers)
+                max_blocks = max(max_blocks, snap.get("indexed_blocks", 0))
+                elapsed = time.monotonic() - started
+                if not first_minute and elapsed >= 60:
+                    first_minute = snap.get("decision_us_last_60s", {})
+                if elapsed >= duration_s - 2:
+                    last_minute = snap.get("decision_us_last_60s", {})
+                if time.monotonic() >= next_report:
+                    next_report += 30
+                    print(f"[{elapsed:5.0f} s] requests {out['requests']}  errors {len(out['errors'])}  "
+                          f"indexed blocks {snap.get('indexed_blocks')}  "
+                          f"routing p99 (60 s) {snap.get('decision_us_last_60s', {}).get('p99')} us", flush=True)
+
+        await asyncio.gather(monitor(), *(worker() for _ in range(concurrency)))
+        final = await _routing(client, url, headers)
+    if not last_minute:
+        last_minute = final.get("decision_us_last_60s", {})
+    if not first_minute:
+        first_minute = last_minute
+    index_bytes = final.get("index_bytes", 0)
+    stable = last_minute.get("p99", 0) <= 2 * max(first_minute.get("p99", 0), 50.0)
+    within_cap = max_blocks <= cap_blocks
+    print("\n=== soak summary ===")
+    print(f"duration            {duration_s:.0f} s, {concurrency} concurrent streams, seed {seed}")
+    print(f"requests            {out['requests']}  ({out['requests'] / duration_s:.1f}/s)")
+    print(f"errors              {len(out['errors'])}")
+    for e in out["errors"][:5]:
+        print(f"   {e}")
+    print(f"TTFT                p50 {_pct(out['ttft'], 0.5) * 1e3:.0f} ms   p99 {_pct(out['ttft'], 0.99) * 1e3:.0f} ms")
+    print(f"index               max {max_blocks} blocks (cap {cap_blocks}), {index_bytes / 1e6:.2f} MB now"
+          f"  -> {'within cap' if within_cap else 'OVER CAP'}")
+    print(f"routing overhead    first minute p99 {first_minute.get('p99')} us ({first_minute.get('count')} decisions), "
+          f"last minute p99 {last_minute.get('p99')} us ({last_minute.get('count')} decisions)"
+          f"  -> {'stable' if stable else 'NOT STABLE'}")
+    events = final.get("events", {})
+    print(f"KV events           {events.get('batches')} batches, gaps {events.get('gaps')}, "
+          f"replays {events.get('replays')}, decode errors {events.get('decode_errors')}")
+    ok = not out["errors"] and within_cap and stable and out["requests"] > 0
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+def _start_app(config: Path, url: str, timeout_s: float = 900) -> subprocess.Popen:
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("serve")), "run", str(config)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    key = os.environ.get("PREFIX_SERVE_API_KEY")
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve run exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", headers=headers, timeout=5).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    _stop_app(proc)
+    raise TimeoutError("the app did not become ready")
+
+
+def _stop_app(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)  # serve run shuts Serve and its Ray down on Ctrl-C
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="a running app (default: start serve_config.yaml on 127.0.0.1:8000)")
+    parser.add_argument("--config", type=Path, default=REPO / "serve_config.yaml")
+    parser.add_argument("--duration-s", type=float, default=300.0)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    cfg = yaml.safe_load(args.config.read_text())
+    app_cfg = cfg["applications"][0]
+    model = app_cfg["args"].get("served_model_name", "tiny-qwen2")
+    rkw = app_cfg.get("deployments", [{}])[0].get("request_router_config", {}).get("request_router_kwargs", {})
+    cap = int(rkw.get("max_indexed_blocks", 1_000_000))
+    url = args.url or f"http://{cfg['http_options']['host']}:{cfg['http_options']['port']}"
+    proc = None if args.url else _start_app(args.config, url)
+    try:
+        return asyncio.run(soak(url, args.duration_s, args.concurrency, args.seed, model, cap))
+    finally:
+        if proc is not None:
+            _stop_app(proc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
