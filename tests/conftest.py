@@ -48,9 +48,10 @@ def deep_update(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, An
 class RunningApp:
     """A running prefix-serve app: base URL, model name and the Serve app name."""
 
-    def __init__(self, name: str, args: dict[str, Any]):
+    def __init__(self, name: str, args: dict[str, Any], entry: dict[str, Any] | None = None):
         self.name = name
         self.args = args
+        self.entry = entry or {}
         self.base_url = BASE_URL
         self.model = args.get("served_model_name", "tiny-qwen2")
 
@@ -75,25 +76,31 @@ def start_app(arg_overrides: dict[str, Any] | None = None, name: str = "prefix-s
     from the config, so the YAML path users run is the one under test.
     """
     import ray
-    from ray.serve._private import api as serve_api
-    from ray.serve.schema import ServeDeploySchema
 
     entry = default_config()
     entry["name"] = name
     entry["args"] = deep_update(entry["args"], arg_overrides or {})
     if router is not None:
         entry["deployments"][0]["request_router_config"] = router
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+             _node_ip_address="127.0.0.1")
+    deploy(entry)
+    _wait_ready(name)
+    return RunningApp(name, entry["args"], entry)
+
+
+def deploy(entry: dict[str, Any]) -> None:
+    """Submit one application entry (serve_config.yaml shape) to the local Serve controller."""
+    from ray.serve._private import api as serve_api
+    from ray.serve.schema import ServeDeploySchema
+
     config = ServeDeploySchema.model_validate({
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": TEST_HTTP_PORT},
         "applications": [entry],
     })
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
-             _node_ip_address="127.0.0.1")
     client = serve_api.serve_start(http_options={"host": "127.0.0.1", "port": TEST_HTTP_PORT})
     client.deploy_apps(config, _blocking=False)
-    _wait_ready(name)
-    return RunningApp(name, entry["args"])
 
 
 def _wait_ready(name: str, timeout_s: float = 600.0) -> None:

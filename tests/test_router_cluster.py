@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.conftest import start_app, stop_all
+from tests.conftest import deploy, start_app, stop_all
 
 pytestmark = pytest.mark.engine
 
@@ -135,9 +135,10 @@ class Stream(threading.Thread):
     def __init__(self, app, prompt, max_tokens):
         super().__init__(daemon=True)
         self.body = {"model": app.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                     "ignore_eos": True}
+                     "ignore_eos": True, "stream_options": {"include_usage": True}}
         self.url = f"{app.base_url}/v1/completions"
         self.chunks, self.error, self.request_id, self.done, self.ended_at = 0, None, None, False, None
+        self.usage = None
 
     def run(self):
         try:
@@ -154,7 +155,10 @@ class Stream(threading.Thread):
                         self.error = obj["error"]
                         continue
                     self.request_id = obj["id"]
-                    self.chunks += 1
+                    if obj.get("usage"):
+                        self.usage = obj["usage"]
+                    if obj.get("choices"):
+                        self.chunks += 1
         except Exception as e:  # noqa: BLE001 - recorded for the assertion message
             self.error = {"message": repr(e)}
         self.ended_at = time.monotonic()
@@ -221,3 +225,29 @@ def test_replica_loss_mid_stream_then_replacement_is_indexed(app):
     while time.monotonic() < deadline and routing(app)["replica_blocks"].get(new, 0) < prompt_blocks:
         time.sleep(0.2)
     assert routing(app)["replica_blocks"].get(new, 0) >= prompt_blocks
+
+
+def test_scale_down_drains_in_flight_streams(app):
+    """Scaling the engine deployment from 2 to 1 lets every in-flight stream finish."""
+    import copy
+
+    assert len(routing(app)["subscribed"]) == 2
+    streams = [Stream(app, tokens(1100 + i, 64), max_tokens=120) for i in range(4)]
+    for s in streams:
+        s.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(s.chunks >= 1 for s in streams):
+        time.sleep(0.1)
+    on = {decision(app, s.request_id)["replica_id"] for s in streams}
+    entry = copy.deepcopy(app.entry)
+    entry["deployments"][0]["num_replicas"] = 1  # what editing serve_config.yaml and redeploying does
+    deploy(entry)
+    for s in streams:
+        s.join(timeout=180)
+        assert not s.is_alive() and s.done and s.error is None, s.error
+        assert s.usage["completion_tokens"] == 120  # ran to max_tokens (ignore_eos), not cut short
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(routing(app)["subscribed"]) != 1:
+        time.sleep(1)
+    assert len(routing(app)["subscribed"]) == 1
+    print(f"drained streams on {len(on)} replica(s)")
