@@ -40,6 +40,7 @@ from app.protocol import EngineRequest
 from routing.block_keys import block_keys
 from routing.index import BlockIndex
 from routing.policy import PolicyConfig, ReplicaView, RoutingRequest, cached_tokens, choose_replica
+from routing.staleness import EventStaleness
 from routing.subscriber import EventSubscriber
 
 logger = logging.getLogger("prefix_serve.router")
@@ -61,7 +62,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.rng = random.Random()
         # replica unique id -> {internal request id: uncached prompt tokens}
         self.inflight: dict[str, dict[str, int]] = {}
-        self.sent_at: dict[str, float] = {}  # replica -> last time a request was sent
+        self.staleness = EventStaleness(self.cfg.stale_events_s)
         self._pending: dict[str, tuple[list[int], int, int, Any]] = {}  # internal id -> (keys, prompt_len, block_size, decision)
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()  # EngineRequest.request_id -> decision
         self._chosen_at: dict[str, int] = {}  # internal id -> routing start (ns), for the routing span
@@ -90,7 +91,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def _forget(self, uid: str) -> None:
         self.subscriber.remove_replica(uid)
         self.inflight.pop(uid, None)
-        self.sent_at.pop(uid, None)
+        self.staleness.forget(uid)
 
     def _follow(self, r: RunningReplica) -> None:
         stats = r.routing_stats or {}
@@ -145,7 +146,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         for r, uid in zip(candidates, uids):
             stats = r.routing_stats or {}
             matched = matches.get(uid, 0)
-            if matched and self._events_stalled(uid, now):
+            if matched and self.staleness.stalled(uid, now, self.subscriber.last_event_at(uid)):
                 metrics.FALLBACKS.labels(cause="stale_events").inc()
                 matched = 0
             inflight = self.inflight.get(uid, {})
@@ -180,21 +181,12 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
                 return int(bs)
         return None
 
-    def _events_stalled(self, uid: str, now: float) -> bool:
-        """Requests went there after its last event batch, and none came for a while."""
-        last = self.subscriber.last_event_at(uid)
-        sent = self.sent_at.get(uid)
-        if last is None or sent is None:
-            return False
-        return sent > last and now - sent > self.cfg.stale_events_s
-
     # ------------------------------------------------------------ request lifecycle
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         internal_id = pending_request.metadata.internal_request_id
         entry = self._pending.pop(internal_id, None)
         uid = replica_id.unique_id
-        self.sent_at[uid] = time.time()
         if entry is None:
             self.inflight.setdefault(uid, {})[internal_id] = 0
             return
@@ -205,6 +197,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             if keys:
                 self.index.predict(uid, keys, now, self.cfg.predicted_ttl_s)
             metrics.INDEXED_BLOCKS.set(self.index.num_keys)
+        if len(keys) > matched:  # it will compute and store new full blocks: a BlockStored is owed
+            self.staleness.note_sent(uid, now, self.subscriber.last_event_at(uid))
         predicted = cached_tokens(matched, prompt_len, block_size)
         self.inflight.setdefault(uid, {})[internal_id] = prompt_len - predicted
         reason = decision.reason if uid == decision.replica_id else "fallthrough"
