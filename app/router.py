@@ -7,10 +7,10 @@ engines' KV events (``routing.subscriber``), and for each request:
 
 1. computes the prompt's block keys (``routing.block_keys``: token ids,
    ``cache_salt`` on the first block, LoRA name on every block);
-2. asks the index how many leading blocks every candidate holds;
-3. lets ``routing.policy.choose_replica`` (a pure function) pick the replica with
-   the lowest predicted TTFT under bounded load, from the router's own in-flight
-   accounting corrected by the engines' routing stats;
+2-3. hands them to ``routing.affinity.AffinityRouter`` (free of Ray, the same code
+   the simulator runs): index lookup, replica views from its in-flight accounting
+   and the engines' routing stats, and ``routing.policy.choose_replica``, which
+   picks the lowest predicted TTFT under bounded load;
 4. returns ``[[chosen], [the rest, cheapest first]]`` so Serve falls through to the
    next rank if the chosen replica's queue is full.
 
@@ -33,14 +33,13 @@ from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 
+from app import metrics, tracing
 from app import protocol as stats_keys
 from app.config import RouterConfig
-from app import metrics, tracing
 from app.protocol import EngineRequest
+from routing.affinity import AffinityRouter, Candidate
 from routing.block_keys import block_keys
 from routing.index import BlockIndex
-from routing.policy import PolicyConfig, ReplicaView, RoutingRequest, cached_tokens, choose_replica
-from routing.staleness import EventStaleness
 from routing.subscriber import EventSubscriber
 
 logger = logging.getLogger("prefix_serve.router")
@@ -55,14 +54,13 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         self.cfg = RouterConfig.model_validate(kwargs)
-        self.policy = PolicyConfig(load_epsilon=self.cfg.load_factor - 1.0)
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards self.index (shared with the event subscriber thread)
         self.index = BlockIndex(max_blocks=self.cfg.max_indexed_blocks)
         self.subscriber = EventSubscriber(self.index, self.lock)
         self.rng = random.Random()
-        # replica unique id -> {internal request id: uncached prompt tokens}
-        self.inflight: dict[str, dict[str, int]] = {}
-        self.staleness = EventStaleness(self.cfg.stale_events_s)
+        self.core = AffinityRouter(self.index, load_factor=self.cfg.load_factor,
+                                   predicted_ttl_s=self.cfg.predicted_ttl_s,
+                                   stale_events_s=self.cfg.stale_events_s, rng=self.rng)
         self._pending: dict[str, tuple[list[int], int, int, Any]] = {}  # internal id -> (keys, prompt_len, block_size, decision)
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()  # EngineRequest.request_id -> decision
         self._chosen_at: dict[str, int] = {}  # internal id -> routing start (ns), for the routing span
@@ -78,7 +76,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         live = {r.replica_id.unique_id for r in replicas}
         for r in replicas:
             self._follow(r)
-        for gone in set(self.inflight) - live:
+        for gone in set(self.core.inflight) - live:
             self._forget(gone)
         for gone in set(self.subscriber.endpoints()) - live:
             self._forget(gone)
@@ -90,8 +88,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
 
     def _forget(self, uid: str) -> None:
         self.subscriber.remove_replica(uid)
-        self.inflight.pop(uid, None)
-        self.staleness.forget(uid)
+        self.core.forget(uid)
 
     def _follow(self, r: RunningReplica) -> None:
         stats = r.routing_stats or {}
@@ -125,7 +122,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         request = pending.args[0] if pending is not None and pending.args else None
         if not isinstance(request, EngineRequest):
             # Not a generate call (health checks, admin methods): least in-flight first.
-            return [sorted(candidates, key=lambda r: len(self.inflight.get(r.replica_id.unique_id, ())))]
+            return [sorted(candidates, key=lambda r: len(self.core.inflight.get(r.replica_id.unique_id, ())))]
         block_size = self._block_size(candidates)
         if block_size is None:
             metrics.FALLBACKS.labels(cause="no_routing_stats").inc()
@@ -139,29 +136,14 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         keys = cached[0] if cached else block_keys(
             request.prompt_token_ids, block_size, cache_salt=request.cache_salt, lora_name=request.lora_name)
         uids = tuple(r.replica_id.unique_id for r in candidates)
-        now = time.time()
-        with self.lock:
-            matches = self.index.match(keys, uids, now)
-        views = []
-        for r, uid in zip(candidates, uids):
-            stats = r.routing_stats or {}
-            matched = matches.get(uid, 0)
-            if matched and self.staleness.stalled(uid, now, self.subscriber.last_event_at(uid)):
-                metrics.FALLBACKS.labels(cause="stale_events").inc()
-                matched = 0
-            inflight = self.inflight.get(uid, {})
-            views.append(ReplicaView(
-                replica_id=uid,
-                matched_blocks=matched,
-                inflight_requests=len(inflight),
-                queued_prefill_tokens=sum(inflight.values()),
-                num_running=stats.get(stats_keys.STAT_NUM_RUNNING),
-                num_waiting=stats.get(stats_keys.STAT_NUM_WAITING),
-                kv_cache_usage=stats.get(stats_keys.STAT_KV_USAGE),
-                max_ongoing_requests=r.max_ongoing_requests,
-            ))
+        views = [Candidate(uid, r.routing_stats, r.max_ongoing_requests) for uid, r in zip(uids, candidates)]
+        last_events = {uid: self.subscriber.last_event_at(uid) for uid in uids}
         prompt_len = len(request.prompt_token_ids)
-        decision = choose_replica(RoutingRequest(prompt_len, block_size), views, self.policy, self.rng)
+        stale_before = self.core.stale_fallbacks
+        with self.lock:
+            decision = self.core.choose(keys, prompt_len, block_size, views, time.time(), last_events)
+        if self.core.stale_fallbacks != stale_before:
+            metrics.FALLBACKS.labels(cause="stale_events").inc(self.core.stale_fallbacks - stale_before)
         self._pending[internal_id] = (keys, prompt_len, block_size, decision)
         by_uid = dict(zip(uids, candidates))
         rest = sorted((u for u in uids if u != decision.replica_id), key=lambda u: decision.costs.get(u, 0.0))
@@ -188,20 +170,14 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         entry = self._pending.pop(internal_id, None)
         uid = replica_id.unique_id
         if entry is None:
-            self.inflight.setdefault(uid, {})[internal_id] = 0
+            self.core.inflight.setdefault(uid, {})[internal_id] = 0
             return
         keys, prompt_len, block_size, decision = entry
-        now = time.time()
         with self.lock:
-            matched = self.index.match(keys, (uid,), now).get(uid, 0)
-            if keys:
-                self.index.predict(uid, keys, now, self.cfg.predicted_ttl_s)
+            routed = self.core.routed(internal_id, uid, keys, prompt_len, block_size, decision, time.time(),
+                                      self.subscriber.last_event_at(uid))
             metrics.INDEXED_BLOCKS.set(self.index.num_keys)
-        if len(keys) > matched:  # it will compute and store new full blocks: a BlockStored is owed
-            self.staleness.note_sent(uid, now, self.subscriber.last_event_at(uid))
-        predicted = cached_tokens(matched, prompt_len, block_size)
-        self.inflight.setdefault(uid, {})[internal_id] = prompt_len - predicted
-        reason = decision.reason if uid == decision.replica_id else "fallthrough"
+        predicted, reason = routed.predicted_cached_tokens, routed.reason
         metrics.DECISIONS.labels(reason=reason).inc()
         metrics.PROMPT_TOKENS.inc(prompt_len)
         metrics.PREDICTED_CACHED.inc(predicted)
@@ -239,7 +215,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         span.end()
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        self.inflight.get(replica_id.unique_id, {}).pop(internal_request_id, None)
+        self.core.completed(replica_id.unique_id, internal_request_id)
         self._pending.pop(internal_request_id, None)
         self._chosen_at.pop(internal_request_id, None)
 
@@ -281,7 +257,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             }
         snap["subscribed"] = self.subscriber.endpoints()
         snap["events"] = self.subscriber.stats.as_dict()
-        snap["inflight"] = {uid: len(v) for uid, v in self.inflight.items()}
+        snap["inflight"] = {uid: len(v) for uid, v in self.core.inflight.items()}
         snap["decision_us_last_60s"] = self.decision_summary(60.0)
         return snap
 

@@ -1,0 +1,140 @@
+"""The prefix-affinity router's per-request decision sequence, free of Ray.
+
+One ``AffinityRouter`` holds a router process's state: the cluster block index,
+in-flight accounting and event-staleness bookkeeping. The live Serve router
+(``app/router.py``) and the simulator (``bench/sim``) both call it, so the
+simulator measures the code that serves traffic. For each request:
+
+1. ``choose``: ``BlockIndex.match`` of the prompt's block keys for every
+   candidate; one ``ReplicaView`` per candidate (matched blocks, zeroed when the
+   replica's events are stalled; in-flight requests and their uncached prompt
+   tokens from this router's own accounting; the engine's ``num_running`` /
+   ``num_waiting`` / ``kv_cache_usage`` from its routing stats;
+   ``max_ongoing_requests``); ``routing.policy.choose_replica``.
+2. ``routed``: once the request is sent (possibly to a fallback replica): the
+   blind window (``BlockIndex.predict`` of its blocks on that replica), in-flight
+   accounting of ``prompt_len - cached_tokens`` and the staleness debt.
+3. ``completed``: the in-flight entry is dropped.
+
+Time is passed in; nothing here reads a clock, takes a lock or does I/O (the
+caller serialises access to ``index`` with the event ingestion).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from routing.index import BlockIndex
+from routing.policy import Decision, PolicyConfig, ReplicaView, RoutingRequest, cached_tokens, choose_replica
+from routing.staleness import EventStaleness
+
+__all__ = ["AffinityRouter", "Candidate", "Routed"]
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A candidate replica as the request router sees it.
+
+    Attributes:
+        replica_id: the replica's id.
+        routing_stats: its last reported stats (``num_running``, ``num_waiting``,
+            ``kv_cache_usage``), or None before the first report.
+        max_ongoing_requests: the per-replica concurrency cap, or None.
+    """
+
+    replica_id: str
+    routing_stats: Mapping[str, Any] | None
+    max_ongoing_requests: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """What ``routed`` recorded: the replica, why, and the cached tokens it predicted."""
+
+    replica_id: str
+    reason: str
+    predicted_cached_tokens: int
+    prompt_tokens: int
+
+
+class AffinityRouter:
+    """State and decision sequence of one prefix-affinity router.
+
+    Args:
+        index: the cluster block index (fed by the KV-event path).
+        load_factor: bounded load; a replica above this multiple of the mean is
+            passed over while another is within it (``PolicyConfig.load_epsilon``).
+        predicted_ttl_s: blind-window lifetime of predicted blocks, seconds.
+        stale_events_s: a replica owing events this long is routed by load only.
+        rng: tie-breaks and power-of-two sampling.
+        policy: cost-function knobs (``load_epsilon`` is set from ``load_factor``).
+    """
+
+    def __init__(self, index: BlockIndex, *, load_factor: float = 1.25, predicted_ttl_s: float = 2.0,
+                 stale_events_s: float = 30.0, rng: random.Random | None = None,
+                 policy: PolicyConfig | None = None) -> None:
+        self.policy = replace(policy or PolicyConfig(), load_epsilon=load_factor - 1.0)
+        self.index = index
+        self.predicted_ttl_s = predicted_ttl_s
+        self.staleness = EventStaleness(stale_events_s)
+        self.rng = rng or random.Random()
+        self.inflight: dict[str, dict[Hashable, int]] = {}  # replica -> {request id: uncached prompt tokens}
+        self.stale_fallbacks = 0
+
+    def choose(self, keys: Sequence[int], prompt_len: int, block_size: int, candidates: Sequence[Candidate],
+               now: float, last_event_at: Mapping[str, float | None] | None = None) -> Decision:
+        """Pick a replica for a prompt of ``prompt_len`` tokens with block ``keys``.
+
+        ``last_event_at``: when each replica's latest event batch was applied
+        (same clock as ``now``), for stall detection; missing means none yet.
+        """
+        uids = tuple(c.replica_id for c in candidates)
+        matches = self.index.match(keys, uids, now)
+        last = last_event_at or {}
+        views = []
+        for c in candidates:
+            uid = c.replica_id
+            stats = c.routing_stats or {}
+            matched = matches.get(uid, 0)
+            if matched and self.staleness.stalled(uid, now, last.get(uid)):
+                self.stale_fallbacks += 1
+                matched = 0
+            inflight = self.inflight.get(uid, {})
+            views.append(ReplicaView(
+                replica_id=uid,
+                matched_blocks=matched,
+                inflight_requests=len(inflight),
+                queued_prefill_tokens=sum(inflight.values()),
+                num_running=stats.get("num_running"),
+                num_waiting=stats.get("num_waiting"),
+                kv_cache_usage=stats.get("kv_cache_usage"),
+                max_ongoing_requests=c.max_ongoing_requests,
+            ))
+        return choose_replica(RoutingRequest(prompt_len, block_size), views, self.policy, self.rng)
+
+    def routed(self, request_id: Hashable, replica_id: str, keys: Sequence[int], prompt_len: int, block_size: int,
+               decision: Decision | None, now: float, last_event_at: float | None = None) -> Routed:
+        """The request went to ``replica_id`` (the decision's pick, or a fallback rank)."""
+        matched = self.index.match(keys, (replica_id,), now).get(replica_id, 0)
+        if keys:
+            self.index.predict(replica_id, keys, now, self.predicted_ttl_s)
+        if len(keys) > matched:  # it will compute and store new full blocks: a BlockStored is owed
+            self.staleness.note_sent(replica_id, now, last_event_at)
+        predicted = cached_tokens(matched, prompt_len, block_size)
+        self.inflight.setdefault(replica_id, {})[request_id] = prompt_len - predicted
+        if decision is None:
+            reason = "unscored"
+        else:
+            reason = decision.reason if replica_id == decision.replica_id else "fallthrough"
+        return Routed(replica_id, reason, predicted, prompt_len)
+
+    def completed(self, replica_id: str, request_id: Hashable) -> None:
+        self.inflight.get(replica_id, {}).pop(request_id, None)
+
+    def forget(self, replica_id: str) -> None:
+        """A replica left: drop its accounting (its index entries go with the event path)."""
+        self.inflight.pop(replica_id, None)
+        self.staleness.forget(replica_id)

@@ -1,0 +1,63 @@
+"""The router's decision sequence (routing.affinity) on a real index fed real events."""
+
+import random
+
+from routing.affinity import AffinityRouter, Candidate
+from routing.block_keys import block_keys
+from routing.events import BlockStored, decode_batch, encode_batch
+from routing.index import BlockIndex
+
+BS = 16
+
+
+def feed(index: BlockIndex, replica: str, tokens: list[int], first_hash: int) -> None:
+    n = len(tokens) // BS
+    ev = BlockStored(block_hashes=list(range(first_hash, first_hash + n)), parent_block_hash=None,
+                     token_ids=tokens[: n * BS], block_size=BS, lora_id=None, medium="GPU", lora_name=None)
+    index.apply_batch(replica, decode_batch(encode_batch([ev], ts=0.0)))
+
+
+def candidates(*ids):
+    return [Candidate(i, {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.1}, 64) for i in ids]
+
+
+def test_routes_to_the_holder_and_predicts_for_the_burst():
+    index = BlockIndex(max_blocks=10_000)
+    router = AffinityRouter(index, rng=random.Random(0))
+    prefix = list(range(1, 1 + 64 * BS))
+    feed(index, "a", prefix, 1000)
+    keys = block_keys(prefix + [7] * 5, BS)
+    d = router.choose(keys, len(prefix) + 5, BS, candidates("a", "b"), now=1.0, last_event_at={"a": 0.5})
+    assert d.replica_id == "a" and d.reason == "prefix_hit" and d.matched_tokens == 64 * BS
+    routed = router.routed("r1", "a", keys, len(prefix) + 5, BS, d, now=1.0, last_event_at=0.5)
+    assert routed.predicted_cached_tokens == 64 * BS and routed.reason == "prefix_hit"
+    assert router.inflight["a"]["r1"] == 5  # only the suffix is left to prefill
+    # A new prefix: no holder, so power of two choices on load picks the idle "b".
+    other = list(range(5000, 5000 + 32 * BS))
+    k2 = block_keys(other, BS)
+    d2 = router.choose(k2, len(other), BS, candidates("a", "b"), now=1.1)
+    assert d2.replica_id == "b" and d2.reason == "pow2"
+    router.routed("r2", "b", k2, len(other), BS, d2, now=1.1)
+    # Blind window: before any event, "b" counts as holding the prefix, until the TTL ends.
+    assert index.match(k2, ("a", "b"), 1.2) == {"a": 0, "b": 32}
+    router.completed("b", "r2")
+    router.completed("a", "r1")
+    d3 = router.choose(k2, len(other), BS, candidates("a", "b"), now=1.3)
+    assert d3.replica_id == "b" and d3.matched_tokens == (len(other) - 1) // BS * BS
+    assert index.match(k2, ("a", "b"), 1.1 + router.predicted_ttl_s + 0.01) == {"a": 0, "b": 0}
+    assert router.inflight == {"a": {}, "b": {}}
+
+
+def test_stalled_replica_is_routed_by_load_only():
+    index = BlockIndex(max_blocks=10_000)
+    router = AffinityRouter(index, stale_events_s=30, rng=random.Random(0))
+    prefix = list(range(1, 1 + 8 * BS))
+    feed(index, "a", prefix, 1)
+    keys = block_keys(prefix + [3] * 40, BS)  # two new full blocks: an event is owed
+    d = router.choose(keys, len(prefix) + 40, BS, candidates("a", "b"), now=100.0, last_event_at={"a": 90.0})
+    router.routed("r1", "a", keys, len(prefix) + 40, BS, d, now=100.0, last_event_at=90.0)
+    router.completed("a", "r1")
+    later = router.choose(keys, len(prefix) + 40, BS, candidates("a", "b"), now=140.0, last_event_at={"a": 90.0})
+    assert router.stale_fallbacks == 1 and later.matched_tokens == 0
+    fresh = router.choose(keys, len(prefix) + 40, BS, candidates("a", "b"), now=141.0, last_event_at={"a": 140.5})
+    assert fresh.replica_id == "a" and fresh.matched_tokens > 0
