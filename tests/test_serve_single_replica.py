@@ -179,7 +179,7 @@ def test_oversized_body_gets_413_then_service_continues(app):
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-_json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=False),
+_json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=False, allow_infinity=False),
                           st.text(max_size=40))
 _json = st.recursive(_json_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                              st.dictionaries(st.text(max_size=8), inner, max_size=4)),
@@ -192,7 +192,7 @@ _messages = st.one_of(
 _common = {
     "model": st.one_of(st.just("tiny-qwen2"), _json),
     "max_tokens": st.one_of(st.integers(-5, 3), st.integers(4000, 10**9), _json),
-    "temperature": st.one_of(st.floats(-1, 3, allow_nan=False), _json),
+    "temperature": st.one_of(st.floats(-1, 3, allow_nan=False, allow_infinity=False), _json),
     "stream": st.one_of(st.booleans(), _json),
     "cache_salt": st.one_of(st.text(max_size=140), _json),
     "n": st.one_of(st.integers(-1, 3), _json),
