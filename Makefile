@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install model serve test test-unit bench soak clean system-deps
+.PHONY: install model serve test test-unit bench soak ab sim clean system-deps
 
 install: $(STAMP)
 
@@ -52,6 +52,15 @@ test-unit: install
 
 bench: install
 	$(PY) -m bench.router_overhead --json reports/router_overhead.json
+
+# A/B load experiment on the default CPU config: ours, pow2, round-robin, Ray's prefix router (< 15 min).
+ab: install model
+	$(PY) -m bench.ab --out reports/ab
+
+# Cluster simulator on the shared Mooncake trace, every policy (see docs/benchmarks.md).
+sim: install
+	$(PY) -m bench.sim --trace ../shared/workloads/mooncake_synthetic_trace.jsonl --replicas 8 --policies all \
+	  --json reports/sim/mooncake.json --plot reports/sim/mooncake.png
 
 # 5-minute soak of the default CPU config (serve run on 127.0.0.1:8000): 16 streams, mixed workloads.
 soak: install model

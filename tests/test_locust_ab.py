@@ -1,0 +1,182 @@
+"""Pure tests of the A/B harness (``bench/ab.py``) and its baseline routers.
+
+No engines: the config each router is deployed with, the round-robin order, the
+text Ray's router is given, and the summary computed from Locust's CSV, the
+per-request samples and the counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from bench import ab
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_each_router_is_deployed_with_its_class_and_the_same_engines():
+    cfg, base = ab.load_app_entry(REPO / "serve_config.yaml")
+    ours_rc = base["deployments"][0]["request_router_config"]
+    entries = {r: ab.app_entry_for(base, f"ab-{r}", r) for r in ab.ROUTERS}
+    for router, entry in entries.items():
+        rc = entry["deployments"][0]["request_router_config"]
+        assert entry["name"] == f"ab-{router}"
+        assert entry["args"] == base["args"]  # the same engines for every router
+        assert entry["import_path"] == base["import_path"]
+        if router == "ours":
+            assert rc == ours_rc and rc["request_router_class"] == ab.OURS_CLASS
+        else:
+            assert rc["request_router_class"] == ab.ROUTERS[router]
+            assert rc["request_router_kwargs"] == {}
+            assert rc["request_routing_stats_period_s"] == ours_rc["request_routing_stats_period_s"]
+    assert base["deployments"][0]["request_router_config"] == ours_rc  # not mutated
+
+    from ray.serve.schema import ServeDeploySchema
+
+    for entry in entries.values():
+        ServeDeploySchema.model_validate({"proxy_location": "HeadOnly",
+                                          "http_options": {"host": "127.0.0.1", "port": 18500},
+                                          "applications": [entry]})
+
+
+@pytest.mark.parametrize("router", [r for r in ab.ROUTERS if r != "ours"])
+def test_router_class_paths_import(router):
+    from ray._common.utils import import_attr
+
+    from ray.serve._private.request_router.request_router import RequestRouter
+
+    cls = import_attr(ab.ROUTERS[router])
+    assert issubclass(cls, RequestRouter)
+
+
+@dataclass(frozen=True)
+class _Id:
+    unique_id: str
+
+
+@dataclass(frozen=True)
+class _Replica:
+    replica_id: _Id
+
+
+def test_round_robin_cycles_in_replica_id_order_and_keeps_the_rest_as_fallback():
+    from bench.ab_routers import RoundRobinRouter
+
+    router = RoundRobinRouter.__new__(RoundRobinRouter)
+    router.initialize_state()
+    a, b, c = (_Replica(_Id(x)) for x in "abc")
+    picks = [asyncio.run(router.choose_replicas([c, a, b])) for _ in range(4)]
+    assert [p[0][0].replica_id.unique_id for p in picks] == ["a", "b", "c", "a"]
+    assert picks[0][1] == [b, c]
+    assert asyncio.run(router.choose_replicas([a])) == [[a]]
+
+
+def test_ray_router_sees_token_ids_as_text_with_the_salt():
+    from app.protocol import EngineRequest
+    from bench.ab_ray_router import token_text
+
+    assert token_text(EngineRequest("r", [11, 12, 13], None)) == "11 12 13"
+    assert token_text(EngineRequest("r", [11, 12], None, cache_salt="t1")) == "[t1] 11 12"
+    assert token_text(object()) is None
+    # equal token prefixes are equal text prefixes
+    assert token_text(EngineRequest("r", [5, 6, 7, 8], None)).startswith(token_text(EngineRequest("r", [5, 6], None)))
+
+
+def test_percentile_interpolates():
+    assert ab.percentile([], 50) is None
+    assert ab.percentile([3.0], 99) == 3.0
+    assert ab.percentile([1, 2, 3, 4], 50) == 2.5
+    assert ab.percentile(list(range(101)), 90) == 90
+
+
+def _write_stats(path: Path, rows: list[dict]) -> None:
+    cols = ["Type", "Name", "Request Count", "Failure Count", "Requests/s"]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+
+
+def test_policy_summary_from_csv_samples_and_counters(tmp_path):
+    _write_stats(tmp_path / "locust_stats.csv", [
+        {"Type": "shared_prefix", "Name": "e2e", "Request Count": 4, "Failure Count": 0, "Requests/s": 0.4},
+        {"Type": "shared_prefix", "Name": "ttft", "Request Count": 4, "Failure Count": 0, "Requests/s": 0.4},
+        {"Type": "", "Name": "Aggregated", "Request Count": 40, "Failure Count": 0, "Requests/s": 4},
+    ])
+    samples = [{"ok": True, "ttft_s": t, "e2e_s": t + 1, "prompt_tokens": 100, "cached_tokens": c}
+               for t, c in ((0.1, 0), (0.2, 96), (0.3, 96), (0.4, 96))]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples) + '{"cut')
+    before = {"ingress": {ab.INGRESS_CACHED: 10.0, ab.INGRESS_PROMPT: 20.0}, "engines": None}
+    after = {"ingress": {ab.INGRESS_CACHED: 298.0, ab.INGRESS_PROMPT: 420.0},
+             "engines": None, "engine_targets": []}
+    pol = ab.policy_summary("round_robin", tmp_path, 10, before, after)
+    assert pol["requests"] == 4 and pol["failures"] == 0 and pol["completed"] == 4
+    assert pol["hit_rate"] == round(288 / 400, 4)
+    assert pol["hit_rate_client"] == round(288 / 400, 4)
+    assert pol["hit_rate_engines"] is None
+    assert pol["ttft_p50_s"] == 0.25 and pol["ttft_p90_s"] == 0.37
+    assert pol["throughput_rps"] == 0.4
+    assert pol["router_class"] == ab.ROUTERS["round_robin"]
+    # a failure Locust saw (e.g. GET /v1/models) is never hidden by the samples
+    _write_stats(tmp_path / "locust_stats.csv", [
+        {"Type": "shared_prefix", "Name": "e2e", "Request Count": 4, "Failure Count": 0, "Requests/s": 0.4},
+        {"Type": "", "Name": "Aggregated", "Request Count": 41, "Failure Count": 1, "Requests/s": 4},
+    ])
+    assert ab.policy_summary("round_robin", tmp_path, 10, before, after)["failures"] == 1
+
+
+def test_working_set_is_sized_from_the_pinned_kv_cache():
+    _, base = ab.load_app_entry(REPO / "serve_config.yaml")
+    engine = base["args"]["engine"]
+    capacity = engine["num_gpu_blocks_override"] * engine["block_size"]
+    sp = Path("locustfiles/shared_prefix.py")
+    (arg,) = ab.size_workload(base, sp, [], 1.5)
+    groups = int(arg.split("=")[1])
+    from locustfiles.workloads import SharedPrefixConfig
+
+    tokens = SharedPrefixConfig().system_tokens
+    assert (groups - 1) * tokens < 1.5 * capacity <= groups * tokens
+    assert ab.size_workload(base, sp, ["--sp-groups=5"], 1.5) == []
+    assert ab.size_workload(base, sp, [], 0) == []
+    assert ab.size_workload(base, Path("locustfiles/rag.py"), [], 1.5) == []
+    assert ab.size_workload(base, sp, ["--sp-system-tokens", "1024"], 1.0) == [f"--sp-groups={-(-capacity // 1024)}"]
+
+
+def test_checks_compare_ours_with_the_baselines():
+    pols = {
+        "ours": {"failures": 0, "hit_rate": 0.9, "ttft_p90_s": 0.2},
+        "pow2": {"failures": 0, "hit_rate": 0.7, "ttft_p90_s": 0.3},
+        "round_robin": {"failures": 0, "hit_rate": 0.6, "ttft_p90_s": 0.4},
+    }
+    c = ab.checks(pols)
+    assert c == {"zero_failures": True, "ours_hit_rate_above_round_robin": True,
+                 "ours_hit_rate_above_pow2": True, "ours_ttft_p90_below_round_robin": True}
+    pols["pow2"]["failures"] = 2
+    pols["round_robin"] = {"error": "deploy failed"}
+    c = ab.checks(pols)
+    assert c["zero_failures"] is False and c["ours_hit_rate_above_round_robin"] is None
+
+
+def test_counter_sums_parse_prometheus_text():
+    text = (
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 96.0\n'
+        'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 4.0\n'
+        "# TYPE prefix_serve_prompt_tokens counter\n"
+        "prefix_serve_prompt_tokens_total 400.0\n"
+    )
+    got = ab._sum_samples(text, {ab.VLLM_HITS, ab.INGRESS_PROMPT, ab.INGRESS_CACHED})
+    assert got == {ab.VLLM_HITS: 100.0, ab.INGRESS_PROMPT: 400.0, ab.INGRESS_CACHED: 0.0}
+
+
+def test_cli_rejects_unknown_routers():
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--routers", "ours,fastest"])
+    assert ab.parse_args([]).routers == list(ab.ROUTERS)
