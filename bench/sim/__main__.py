@@ -1,0 +1,5 @@
+"""``python -m bench.sim``: see :mod:`bench.sim.cli`."""
+
+from bench.sim.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""Hit-rate bounds that no router reaches: one pooled cache, and one unbounded cache.
+
+Both replay the requests in arrival order through a single prefix cache that
+every request reaches, with the engines' counting rules: a request's hit is
+the longest run of its leading full blocks in the cache, at most
+``(prompt_tokens - 1) // block_size`` blocks (the last prompt token is always
+recomputed), in tokens; afterwards the blocks of its prompt and generated
+tokens (``(prompt + output - 1) // block_size`` full blocks, as vLLM caches
+them) are in the cache.
+
+* ``pooled_cache_hit_rate``: the cache holds as many blocks as all replicas
+  together (``replicas * (num_blocks - 1)``) and evicts least recently used
+  blocks first, a request's tail blocks before its head blocks (vLLM's order).
+  It ignores that running requests pin their blocks and that one request's
+  blocks are spread over time, so it is an optimistic reference for any
+  router over the same total memory, not a strict maximum.
+* ``unbounded_cache_hit_rate``: nothing is ever evicted: the trace's own
+  reuse ceiling (65.1 % for the Mooncake synthetic trace per its README).
+
+Rates are token-weighted: hit tokens over prompt tokens.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from bench.sim.workload import Workload
+
+__all__ = ["cache_hit_rates"]
+
+
+def _hit_blocks_unbounded(seen: set[int], keys, limit: int) -> int:
+    n = 0
+    for i in range(limit):
+        if keys[i] not in seen:
+            break
+        n += 1
+    return n
+
+
+def cache_hit_rates(workload: Workload, block_size: int, pooled_blocks: int, max_model_len: int | None = None) -> dict[str, float]:
+    """``{"pooled_cache_hit_rate", "unbounded_cache_hit_rate"}`` for ``workload``.
+
+    Args:
+        workload: requests with block keys prepared at ``block_size``.
+        block_size: KV-cache block size.
+        pooled_blocks: capacity of the pooled cache in blocks.
+        max_model_len: requests longer than this are skipped (the engines reject them).
+    """
+    workload.prepare(block_size)
+    lru: OrderedDict[int, None] = OrderedDict()
+    seen: set[int] = set()
+    prompt_total = 0
+    hit_pooled = 0
+    hit_unbounded = 0
+    move = lru.move_to_end
+    for req in workload.requests:
+        if max_model_len is not None and req.prompt_len + req.output_len > max_model_len:
+            continue
+        keys = req.keys
+        limit = min((req.prompt_len - 1) // block_size, len(keys))
+        prompt_total += req.prompt_len
+        n = 0
+        for i in range(limit):
+            if keys[i] not in lru:
+                break
+            n += 1
+        hit_pooled += n * block_size
+        hit_unbounded += _hit_blocks_unbounded(seen, keys, limit) * block_size
+        stored = min((req.prompt_len + req.output_len - 1) // block_size, len(keys))
+        for i in range(stored - 1, -1, -1):  # tail first: the head ends most recent
+            k = keys[i]
+            if k in lru:
+                move(k)
+            else:
+                lru[k] = None
+        seen.update(keys[:stored])
+        while len(lru) > pooled_blocks:
+            lru.popitem(last=False)
+    if prompt_total == 0:
+        return {"pooled_cache_hit_rate": 0.0, "unbounded_cache_hit_rate": 0.0}
+    return {
+        "pooled_cache_hit_rate": hit_pooled / prompt_total,
+        "unbounded_cache_hit_rate": hit_unbounded / prompt_total,
+    }

@@ -1,0 +1,253 @@
+"""Command line of the simulator: ``python -m bench.sim``.
+
+Examples::
+
+    python -m bench.sim --trace /work/shared/workloads/mooncake_synthetic_trace.jsonl \\
+        --replicas 8 --rate-scale 1 --policies all --json out.json --plot out.png
+    python -m bench.sim --workload chat --num-requests 10000 --rate-scale 1.5 --seed 1
+
+Every policy runs on its own fresh copy of the cluster over the same requests
+(block keys computed once), then the bounds are computed.  The JSON has
+``policies.<name>`` (see :mod:`bench.sim.results`), ``bounds`` (see
+:mod:`bench.sim.bounds`), ``config`` and ``workload``.  Deterministic for a
+seed: the workload, every policy's random choices and the simulation order
+depend on nothing else (``--jobs`` only changes wall time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from typing import Any
+
+from bench.sim.bounds import cache_hit_rates
+from bench.sim.cluster import ClusterConfig, simulate_policy
+from bench.sim.generators import GENERATORS, generate
+from bench.sim.latency import PRESETS, preset
+from bench.sim.policies import EXTRA_POLICIES, POLICIES, make_policy, policy_names
+from bench.sim.replica import EngineConfig
+from bench.sim.results import acceptance, summarize
+from bench.sim.trace import load_mooncake
+from bench.sim.workload import Workload
+
+__all__ = ["build_parser", "main", "run"]
+
+TRACE_MAX_MODEL_LEN = 131072
+"""Context for traces unless ``--max-model-len``: Qwen2.5's 128k (YaRN) limit; Mooncake prompts reach 191k."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.sim", description="Cluster simulator of prefix-aware routing.")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="Mooncake-format JSONL trace")
+    src.add_argument("--workload", choices=sorted(GENERATORS), help="generated workload")
+    ap.add_argument("--num-requests", type=int, default=10_000, help="requests of a generated workload (10000)")
+    ap.add_argument("--limit", type=int, default=None, help="use only the first N requests of the trace / workload")
+    ap.add_argument("--replicas", type=int, default=8, help="engine replicas (8)")
+    ap.add_argument("--rate-scale", type=float, default=1.0, help="arrival-rate multiplier (1.0)")
+    ap.add_argument("--policies", default="all",
+                    help=f"all, or a comma list of: {', '.join([*POLICIES, *EXTRA_POLICIES])} ('all' may be in the list)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", dest="json_out", help="write the report here")
+    ap.add_argument("--plot", dest="plot_out", help="write the TTFT-CDF / hit-rate figure here (PNG)")
+    ap.add_argument("--preset", default="4090-qwen2.5-7b-awq", choices=sorted(PRESETS))
+    ap.add_argument("--block-size", type=int, default=None, help="KV block size (preset: 16)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help=f"context length (preset: 32768; {TRACE_MAX_MODEL_LEN} for --trace)")
+    ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica (default: derived from VRAM)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None, help="preset: 0.90")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="preset: 8192")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="preset: 128")
+    ap.add_argument("--max-ongoing-requests", type=int, default=128, help="Serve's per-replica cap (128)")
+    ap.add_argument("--event-lag-s", type=float, default=0.05, help="KV-event publish-to-index delay (0.05)")
+    ap.add_argument("--routing-stats-period-s", type=float, default=1.0, help="Serve routing-stats refresh (1.0)")
+    ap.add_argument("--prefill-tok-s", type=float, default=None,
+                    help="measured prefill tokens/s of a 4096-token prompt (replaces the compute efficiency)")
+    ap.add_argument("--decode-step-ms", type=float, default=None,
+                    help="measured batch-1 decode step at 1k context, ms (replaces the bandwidth efficiency)")
+    ap.add_argument("--step-overhead-ms", type=float, default=None, help="measured fixed cost per engine step, ms")
+    ap.add_argument("--jobs", type=int, default=1, help="policies simulated in parallel processes (1)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def _load(args: argparse.Namespace, max_model_len: int) -> Workload:
+    if args.trace:
+        wl = load_mooncake(args.trace, max_model_len=max_model_len, limit=args.limit)
+    else:
+        wl = generate(args.workload, args.num_requests, seed=args.seed)
+        if args.limit:
+            wl = wl.head(args.limit)
+    return wl.scaled(args.rate_scale) if args.rate_scale != 1.0 else wl
+
+
+def _cluster(args: argparse.Namespace) -> tuple[ClusterConfig, dict[str, Any]]:
+    pre = preset(args.preset)
+    bs = args.block_size or pre.block_size
+    max_len = args.max_model_len or (TRACE_MAX_MODEL_LEN if args.trace else pre.max_model_len)
+    util = args.gpu_memory_utilization or pre.gpu_memory_utilization
+    num_blocks = args.num_blocks or pre.num_blocks(bs, util)
+    latency = pre.latency.calibrated(
+        prefill_tok_s=args.prefill_tok_s,
+        decode_step_s=args.decode_step_ms / 1000 if args.decode_step_ms else None,
+        step_overhead_s=args.step_overhead_ms / 1000 if args.step_overhead_ms else None,
+    )
+    engine = EngineConfig(
+        num_blocks=num_blocks,
+        block_size=bs,
+        max_num_batched_tokens=args.max_num_batched_tokens or pre.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs or pre.max_num_seqs,
+        max_model_len=max_len,
+    )
+    cfg = ClusterConfig(
+        replicas=args.replicas,
+        engine=engine,
+        latency=latency,
+        max_ongoing_requests=args.max_ongoing_requests,
+        event_lag_s=args.event_lag_s,
+        routing_stats_period_s=args.routing_stats_period_s,
+        seed=args.seed,
+    )
+    info = {
+        "preset": pre.name,
+        "gpu": latency.gpu.name,
+        "model": latency.model.name,
+        "replicas": args.replicas,
+        "block_size": bs,
+        "num_blocks_per_replica": num_blocks,
+        "kv_cache_tokens_per_replica": (num_blocks - 1) * bs,
+        "gpu_memory_utilization": util,
+        "max_model_len": max_len,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "max_num_seqs": engine.max_num_seqs,
+        "max_ongoing_requests": args.max_ongoing_requests,
+        "event_lag_s": args.event_lag_s,
+        "routing_stats_period_s": args.routing_stats_period_s,
+        "compute_efficiency": round(latency.compute_efficiency, 4),
+        "bandwidth_efficiency": round(latency.bandwidth_efficiency, 4),
+        "step_overhead_s": latency.step_overhead_s,
+        "rate_scale": args.rate_scale,
+        "seed": args.seed,
+    }
+    return cfg, info
+
+
+# Worker state for --jobs > 1 (fork start method: the prepared workload is shared copy-on-write).
+_W: dict[str, Any] = {}
+
+
+def _worker(name: str) -> tuple[str, dict[str, Any]]:
+    counter = _W["counter"]
+    pending = 0
+
+    def tick(k: int) -> None:
+        nonlocal pending
+        pending += k
+        if pending >= 50:
+            with counter.get_lock():
+                counter.value += pending
+            pending = 0
+
+    run_ = simulate_policy(_W["workload"], make_policy(name), _W["cfg"], tick)
+    with counter.get_lock():
+        counter.value += pending
+    return name, summarize(run_)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the workload and cluster from ``args``, run every policy and the bounds."""
+    t0 = time.perf_counter()
+    try:
+        names = policy_names(args.policies)
+    except KeyError as exc:
+        raise SystemExit(str(exc.args[0])) from None
+    cfg, info = _cluster(args)
+    wl = _load(args, cfg.engine.max_model_len)
+    show = not args.no_progress
+    wl.prepare(cfg.engine.block_size, progress=show)
+    total = len(wl) * len(names)
+    results: dict[str, dict[str, Any]] = {}
+    bar = None
+    if show:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=f"simulating {len(names)} policies", unit="req", smoothing=0.05)
+    if args.jobs <= 1 or len(names) == 1:
+        for nm in names:
+            if bar is not None:
+                bar.set_postfix_str(nm)
+            r = simulate_policy(wl, make_policy(nm), cfg, (lambda k: bar.update(k)) if bar is not None else None)
+            results[nm] = summarize(r)
+    else:
+        ctx = mp.get_context("fork")
+        counter = ctx.Value("q", 0)
+        _W.update(workload=wl, cfg=cfg, counter=counter)
+        with ctx.Pool(processes=min(args.jobs, len(names))) as pool:
+            pending = pool.map_async(_worker, names, chunksize=1)
+            seen = 0
+            while not pending.ready():
+                pending.wait(0.25)
+                if bar is not None:
+                    v = counter.value
+                    bar.update(v - seen)
+                    seen = v
+            out = dict(pending.get())
+        results = {nm: out[nm] for nm in names}
+        if bar is not None:
+            bar.update(total - bar.n)
+    if bar is not None:
+        bar.close()
+    pooled = args.replicas * (cfg.engine.num_blocks - 1)
+    bounds = cache_hit_rates(wl, cfg.engine.block_size, pooled, cfg.engine.max_model_len)
+    return {
+        "config": info,
+        "workload": {"name": wl.name, **wl.stats(), "params": _jsonable(wl.params)},
+        "policies": results,
+        "bounds": bounds,
+        "acceptance": acceptance(results, bounds),
+        "runtime_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A plain-text table of the report's main numbers."""
+    rows = [("policy", "hit %", "TTFT p50", "p90", "p99", "ITL p50", "p99", "tok/s", "imbal")]
+    for nm, p in report["policies"].items():
+        rows.append((nm, f"{p['hit_rate'] * 100:.1f}", f"{p['ttft_p50_s']:.3f}", f"{p['ttft_p90_s']:.3f}",
+                     f"{p['ttft_p99_s']:.3f}", f"{p['itl_p50_s'] * 1000:.1f}ms", f"{p['itl_p99_s'] * 1000:.1f}ms",
+                     f"{p['throughput_tok_s']:.0f}", f"{p['load_imbalance']:.2f}"))
+    b = report["bounds"]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.append(f"bounds: pooled cache {b['pooled_cache_hit_rate'] * 100:.1f} %, "
+                 f"unbounded cache {b['unbounded_cache_hit_rate'] * 100:.1f} %   ({report['runtime_s']} s)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    report = run(args)
+    if args.json_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    if args.plot_out:
+        from bench.sim.plot import plot_report
+
+        w = report["workload"]
+        plot_report(report, args.plot_out,
+                    title=f"{w['name']}: {w['requests']} requests, {args.replicas} replicas, rate x{args.rate_scale}")
+    print(format_table(report), file=sys.stdout)
+    return 0

@@ -1,0 +1,490 @@
+"""Routing policies compared in one simulator run.
+
+Every policy sees the same things a router process would: the request (its
+block keys, computed once per workload with ``routing.block_keys``; its prompt
+length; its ``cache_salt`` through the keys), the candidate replicas that are
+below Serve's ``max_ongoing_requests`` (Serve filters full replicas out of every
+router's ranks), their queue lengths (Serve probes each replica's ongoing
+requests), and, for the KV-aware ones, a ``BlockIndex`` fed by the engines' KV
+events through :class:`bench.sim.event_path.EventPath` after the event lag.
+
+* ``random``: uniform among the candidates.
+* ``round_robin``: the next replica in a fixed cycle (skipping full ones).
+* ``pow2``: Ray Serve's default ``PowerOfTwoChoicesRequestRouter``: two random
+  candidates, the one with fewer ongoing requests.
+* ``consistent_hash``: a hash ring (128 virtual nodes per replica) keyed by
+  the prompt's first block key (its partial-block fingerprint when shorter
+  than a block), walking clockwise past full replicas.
+* ``ray_prefix``: the logic of Ray's ``PrefixCacheAffinityRouter`` (ray 2.60,
+  ``ray/llm/_internal/serve/routing_policies/prefix_aware``) around the
+  installed ``PrefixTree`` class (used, not copied): pow2 fallback; with the
+  default ``imbalanced_threshold`` (infinite) load never counts as imbalanced;
+  ``prefix_match`` of the prompt text against the tree; a match rate below
+  ``match_rate_threshold`` (0.1) picks among the tenants with the fewest
+  characters in the tree, otherwise among the tenants of the deepest matched
+  node; of those, the replica with the fewest ongoing requests; the prompt
+  text is inserted for the chosen replica.  The text is synthesized per
+  block: 16 hex characters of each full block's key, then a proportional cut
+  of the partial block's fingerprint, so a shared block prefix is a shared
+  character prefix and the match rate is the block match rate.  Tree eviction
+  is off, as by default.
+* ``dynamo``: the cost function NVIDIA Dynamo's KV router documents
+  ("Routing Concepts", docs.nvidia.com/dynamo): ``cost = overlap_score_weight
+  * prefill_blocks + decode_blocks``, where ``prefill_blocks`` are the
+  worker's active prefill blocks plus the request's blocks after the overlap
+  credit (blocks the worker holds, from KV events), ``decode_blocks`` the
+  worker's active blocks plus the request's; lowest cost wins (weight 1.0,
+  temperature 0: ties at random).  Active prefill work is tracked from routing
+  until the first token; active blocks (prompt blocks of each request) until
+  completion.
+* ``llm_d``: llm-d's inference scheduler with its precise prefix-cache
+  profile: ``precise-prefix-cache-scorer`` (longest run of consecutive cached
+  blocks from the start, from KV events, min-max normalized over the replicas
+  that hold any: 1.0 when they all tie, 0 for the others) weight 3,
+  ``queue-scorer`` (engine waiting-queue length, min-max normalized, fewer is
+  better) weight 2, ``kv-cache-utilization-scorer`` (1 - KV usage) weight 2;
+  ``max-score-picker`` (ties at random).  Engine metrics are scraped every
+  50 ms (the Gateway API Inference Extension's default refresh).
+* ``prefix_affinity``: ours, the live router's decision sequence
+  (:mod:`bench.sim.affinity`) with Serve's routing stats refreshed every
+  ``routing_stats_period_s`` (1 s, as ``request_routing_stats_period_s``).
+* ``prefix_affinity_proposed`` (only when named): the same with the changes
+  of :class:`bench.sim.affinity.Proposal` proposed in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import xxhash
+
+from bench.sim.affinity import AffinityRouter, Candidate, Proposal, RouterSettings
+from bench.sim.workload import SimRequest
+from routing.index import BlockIndex
+
+if TYPE_CHECKING:  # pragma: no cover
+    from bench.sim.replica import Replica
+
+__all__ = ["EXTRA_POLICIES", "POLICIES", "Policy", "RouterContext", "make_policy", "policy_names", "policy_seed"]
+
+
+def policy_seed(seed: int, name: str) -> int:
+    """A policy's own random seed, stable across processes (no ``hash()``)."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) & 0xFFFFFFFF
+
+
+class StatsScraper:
+    """Engine load numbers as a router sees them: refreshed at most every ``period_s``."""
+
+    def __init__(self, replicas: Sequence["Replica"], period_s: float) -> None:
+        self.replicas = replicas
+        self.period_s = period_s
+        self.snap: list[dict[str, Any]] = [self._read(r) for r in replicas]
+        self.taken_at = [0.0] * len(replicas)
+
+    @staticmethod
+    def _read(r: "Replica") -> dict[str, Any]:
+        return {"num_running": r.num_running, "num_waiting": r.num_waiting, "kv_cache_usage": r.kv_usage}
+
+    def get(self, i: int, now: float) -> dict[str, Any]:
+        if now - self.taken_at[i] >= self.period_s:
+            self.snap[i] = self._read(self.replicas[i])
+            self.taken_at[i] = now
+        return self.snap[i]
+
+
+@dataclass
+class RouterContext:
+    """What the cluster gives a policy.
+
+    Attributes:
+        replicas: the engines (queue lengths are read from them, as Serve probes).
+        block_size: KV-cache block size.
+        max_ongoing_requests: Serve's per-replica cap.
+        rng: the policy's random generator.
+        routing_stats_period_s: refresh period of Serve's routing stats.
+    """
+
+    replicas: Sequence["Replica"]
+    block_size: int
+    max_ongoing_requests: int
+    rng: random.Random
+    routing_stats_period_s: float = 1.0
+    ids: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.ids = [r.id for r in self.replicas]
+
+
+class Policy:
+    """Base: a routing policy over replica indices."""
+
+    name: ClassVar[str] = ""
+    uses_events: ClassVar[bool] = False
+
+    def setup(self, ctx: RouterContext) -> None:
+        self.ctx = ctx
+        self.rng = ctx.rng
+
+    def choose(self, req: SimRequest, candidates: list[int], now: float) -> int:
+        raise NotImplementedError
+
+    def routed(self, req: SimRequest, r: int, now: float) -> None:
+        pass
+
+    def first_token(self, req: SimRequest, r: int, now: float) -> None:
+        pass
+
+    def completed(self, req: SimRequest, r: int, now: float) -> None:
+        pass
+
+    @property
+    def index(self) -> BlockIndex | None:
+        """The block index its KV events feed, if any."""
+        return None
+
+    def on_events_applied(self, r: int, now: float) -> None:
+        pass
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+    def _queue(self, r: int) -> int:
+        return self.ctx.replicas[r].num_requests
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def choose(self, req, candidates, now):
+        return self.rng.choice(candidates)
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        self.next = 0
+
+    def choose(self, req, candidates, now):
+        n = len(self.ctx.replicas)
+        allowed = set(candidates)
+        for _ in range(n):
+            r = self.next
+            self.next = (self.next + 1) % n
+            if r in allowed:
+                return r
+        return candidates[0]
+
+
+class Pow2Policy(Policy):
+    name = "pow2"
+
+    def choose(self, req, candidates, now):
+        pair = self.rng.sample(candidates, 2) if len(candidates) > 2 else list(candidates)
+        self.rng.shuffle(pair)
+        return min(pair, key=self._queue)
+
+
+class ConsistentHashPolicy(Policy):
+    name = "consistent_hash"
+    VNODES = 128
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        ring = []
+        for i, rid in enumerate(ctx.ids):
+            for v in range(self.VNODES):
+                ring.append((xxhash.xxh3_64_intdigest(f"{rid}#{v}".encode()), i))
+        ring.sort()
+        self.points = [p for p, _ in ring]
+        self.owner = [i for _, i in ring]
+
+    def choose(self, req, candidates, now):
+        key = req.keys[0] if req.prompt_len >= self.ctx.block_size else req.tail_key
+        allowed = set(candidates)
+        n = len(self.points)
+        pos = bisect.bisect_left(self.points, key)
+        for k in range(n):
+            r = self.owner[(pos + k) % n]
+            if r in allowed:
+                return r
+        return candidates[0]
+
+
+class RayPrefixPolicy(Policy):
+    name = "ray_prefix"
+    CHARS_PER_BLOCK = 16
+    imbalanced_threshold = float("inf")
+    match_rate_threshold = 0.1
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
+
+        self.tree = PrefixTree()
+        self.tree.add_tenants(list(ctx.ids), 0.0)
+        self.tenant_index = {rid: i for i, rid in enumerate(ctx.ids)}
+        self._text: dict[int, str] = {}
+        self.prefix_routed = 0
+
+    def text(self, req: SimRequest) -> str:
+        bs = self.ctx.block_size
+        n = req.prompt_len // bs
+        w = self.CHARS_PER_BLOCK
+        parts = [f"{k:016x}" for k in req.keys[:n]]
+        tail = req.prompt_len - n * bs
+        if tail:
+            parts.append(f"{req.tail_key:016x}"[: max(1, round(w * tail / bs))])
+        return "".join(parts)
+
+    def choose(self, req, candidates, now):
+        # Fallback: PowerOfTwoChoicesRequestRouter's two random candidates.
+        pair = self.rng.sample(candidates, 2) if len(candidates) > 2 else list(candidates)
+        text = self.text(req)
+        self._text[req.rid] = text
+        chosen: list[int] = []
+        queues = [self._queue(r) for r in candidates]
+        if max(queues) - min(queues) <= self.imbalanced_threshold and text:
+            ids = [self.ctx.ids[r] for r in candidates]
+            matched, tenants = self.tree.prefix_match(text, ids)
+            rate = len(matched) / len(text)
+            if rate < self.match_rate_threshold:
+                smallest = self.tree.get_smallest_tenants() or []
+                chosen = [self.tenant_index[t] for t in smallest]
+            elif tenants:
+                chosen = [self.tenant_index[t] for t in tenants]
+                self.prefix_routed += 1
+        allowed = set(candidates)
+        pool = [r for r in chosen if r in allowed] or pair
+        self.rng.shuffle(pool)
+        return min(pool, key=self._queue)
+
+    def routed(self, req, r, now):
+        text = self._text.pop(req.rid, None)
+        if text is None:
+            text = self.text(req)
+        self.tree.insert(text, self.ctx.ids[r], now)
+
+    def summary(self):
+        return {"prefix_routed": self.prefix_routed, "tree_chars": dict(self.tree.tenant_to_char_count)}
+
+
+class _IndexedPolicy(Policy):
+    """A policy with its own ``BlockIndex`` fed by KV events (no predictions)."""
+
+    uses_events = True
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        self._index = BlockIndex(max_blocks=4_000_000)
+
+    @property
+    def index(self):
+        return self._index
+
+    def _prompt_keys(self, req: SimRequest):
+        return req.keys[: req.prompt_len // self.ctx.block_size]
+
+
+class DynamoPolicy(_IndexedPolicy):
+    name = "dynamo"
+    overlap_score_weight = 1.0
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        n = len(ctx.replicas)
+        self.prefill_tokens = [0] * n  # uncached prompt tokens routed and not yet at first token
+        self.active_blocks = [0] * n
+        self._prefill: dict[int, tuple[int, int]] = {}
+        self._blocks: dict[int, tuple[int, int]] = {}
+
+    def choose(self, req, candidates, now):
+        bs = self.ctx.block_size
+        keys = self._prompt_keys(req)
+        ids = tuple(self.ctx.ids[r] for r in candidates)
+        overlap = self._index.match(keys, ids, now)
+        req_blocks = -(-req.prompt_len // bs)
+        best: list[int] = []
+        best_cost = float("inf")
+        for r, rid in zip(candidates, ids):
+            new_tokens = max(0, req.prompt_len - overlap.get(rid, 0) * bs)
+            prefill_blocks = (self.prefill_tokens[r] + new_tokens) / bs
+            decode_blocks = self.active_blocks[r] + req_blocks
+            cost = self.overlap_score_weight * prefill_blocks + decode_blocks
+            if cost < best_cost - 1e-9:
+                best, best_cost = [r], cost
+            elif cost <= best_cost + 1e-9:
+                best.append(r)
+        r = best[0] if len(best) == 1 else self.rng.choice(best)
+        self._pending = (req.rid, max(0, req.prompt_len - overlap.get(self.ctx.ids[r], 0) * bs), req_blocks)
+        return r
+
+    def routed(self, req, r, now):
+        rid, new_tokens, blocks = self._pending
+        self.prefill_tokens[r] += new_tokens
+        self.active_blocks[r] += blocks
+        self._prefill[req.rid] = (r, new_tokens)
+        self._blocks[req.rid] = (r, blocks)
+
+    def first_token(self, req, r, now):
+        entry = self._prefill.pop(req.rid, None)
+        if entry:
+            self.prefill_tokens[entry[0]] -= entry[1]
+
+    def completed(self, req, r, now):
+        self.first_token(req, r, now)
+        entry = self._blocks.pop(req.rid, None)
+        if entry:
+            self.active_blocks[entry[0]] -= entry[1]
+
+
+class LlmDPolicy(_IndexedPolicy):
+    name = "llm_d"
+    prefix_weight = 3.0
+    queue_weight = 2.0
+    kv_weight = 2.0
+    metrics_period_s = 0.05
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        self.scraper = StatsScraper(ctx.replicas, self.metrics_period_s)
+
+    @staticmethod
+    def _minmax(values: dict[int, float], candidates: list[int], higher_is_better: bool) -> dict[int, float]:
+        if not values:
+            return {r: 0.0 for r in candidates}
+        lo, hi = min(values.values()), max(values.values())
+        out = {}
+        for r in candidates:
+            if r not in values:
+                out[r] = 0.0
+            elif hi == lo:
+                out[r] = 1.0
+            else:
+                x = (values[r] - lo) / (hi - lo)
+                out[r] = x if higher_is_better else 1.0 - x
+        return out
+
+    def choose(self, req, candidates, now):
+        keys = self._prompt_keys(req)
+        ids = tuple(self.ctx.ids[r] for r in candidates)
+        held = self._index.match(keys, ids, now)
+        prefix_raw = {r: float(held[rid]) for r, rid in zip(candidates, ids) if held.get(rid, 0) > 0}
+        prefix = self._minmax(prefix_raw, candidates, True)
+        stats = {r: self.scraper.get(r, now) for r in candidates}
+        queue = self._minmax({r: float(stats[r]["num_waiting"]) for r in candidates}, candidates, False)
+        best: list[int] = []
+        best_score = -1.0
+        for r in candidates:
+            score = (self.prefix_weight * prefix[r] + self.queue_weight * queue[r]
+                     + self.kv_weight * (1.0 - stats[r]["kv_cache_usage"]))
+            if score > best_score + 1e-12:
+                best, best_score = [r], score
+            elif score >= best_score - 1e-12:
+                best.append(r)
+        return best[0] if len(best) == 1 else self.rng.choice(best)
+
+
+class PrefixAffinityPolicy(Policy):
+    name = "prefix_affinity"
+    uses_events = True
+
+    def __init__(self, settings: RouterSettings | None = None, proposal: Proposal | None = None) -> None:
+        self.settings = settings or RouterSettings.from_app_defaults()
+        self.proposal = proposal
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        self.router = AffinityRouter(self.settings, ctx.rng, self.proposal)
+        self.scraper = StatsScraper(ctx.replicas, ctx.routing_stats_period_s)
+        self._decision = None
+
+    @property
+    def index(self):
+        return self.router.index
+
+    def on_events_applied(self, r, now):
+        self.router.last_event_at[self.ctx.ids[r]] = now
+
+    def choose(self, req, candidates, now):
+        bs = self.ctx.block_size
+        keys = req.keys[: req.prompt_len // bs]
+        cands = [Candidate(self.ctx.ids[r], self.scraper.get(r, now), self.ctx.max_ongoing_requests) for r in candidates]
+        self._decision = (keys, self.router.choose(keys, req.prompt_len, bs, cands, now))
+        return self.ctx.ids.index(self._decision[1].replica_id)
+
+    def routed(self, req, r, now):
+        keys, decision = self._decision
+        self.router.routed(req.rid, self.ctx.ids[r], keys, req.prompt_len, self.ctx.block_size, decision, now)
+
+    def first_token(self, req, r, now):
+        self.router.first_token(self.ctx.ids[r], req.rid)
+
+    def completed(self, req, r, now):
+        self.router.completed(self.ctx.ids[r], req.rid)
+
+    def summary(self):
+        return {"reasons": dict(self.router.reasons), "index_stats": self.router.index.stats.as_dict()}
+
+
+class ProposedAffinityPolicy(PrefixAffinityPolicy):
+    """``prefix_affinity`` with the changes proposed in docs/benchmarks.md (see :class:`Proposal`).
+
+    Not part of ``--policies all``: the live router does not have them yet.
+    """
+
+    name = "prefix_affinity_proposed"
+    PROPOSAL = Proposal(release_prefill_at_first_token=True, uncached_weight=2.0, load_floor=16)
+
+    def __init__(self, settings: RouterSettings | None = None, proposal: Proposal | None = None) -> None:
+        super().__init__(settings, proposal or self.PROPOSAL)
+
+
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p
+    for p in (RandomPolicy, RoundRobinPolicy, Pow2Policy, ConsistentHashPolicy, RayPrefixPolicy, DynamoPolicy,
+              LlmDPolicy, PrefixAffinityPolicy)
+}
+"""The compared policies (``--policies all``), in report order (ours last)."""
+
+EXTRA_POLICIES: dict[str, type[Policy]] = {ProposedAffinityPolicy.name: ProposedAffinityPolicy}
+"""Policies run only when named: proposals under evaluation."""
+
+
+def policy_names(spec: str) -> list[str]:
+    """Names from a ``--policies`` value: ``all``, a comma list, or both (``all,prefix_affinity_proposed``).
+
+    Raises:
+        KeyError: an unknown name (the message lists the known ones).
+    """
+    out: list[str] = []
+    for tok in (t.strip() for t in spec.split(",")):
+        if not tok:
+            continue
+        names = list(POLICIES) if tok == "all" else [tok]
+        for nm in names:
+            if nm not in POLICIES and nm not in EXTRA_POLICIES:
+                known = ", ".join([*POLICIES, *EXTRA_POLICIES])
+                raise KeyError(f"unknown policy {nm!r}; known: {known}")
+            if nm not in out:
+                out.append(nm)
+    return out
+
+
+def make_policy(name: str) -> Policy:
+    """A fresh policy called ``name``.
+
+    Raises:
+        KeyError: unknown policy (the message lists the known ones).
+    """
+    cls = POLICIES.get(name) or EXTRA_POLICIES.get(name)
+    if cls is None:
+        raise KeyError(f"unknown policy {name!r}; known: {', '.join([*POLICIES, *EXTRA_POLICIES])}")
+    return cls()

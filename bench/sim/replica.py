@@ -1,0 +1,436 @@
+"""One simulated vLLM engine replica: scheduler semantics of vLLM 0.32's v1 engine.
+
+Per engine step (``vllm/v1/core/sched/scheduler.py``, FCFS policy,
+``enable_chunked_prefill``, ``scheduler_reserve_full_isl`` on, watermark 0,
+prefix caching on):
+
+1. **Running requests first**, in admission order.  Each decoding request
+   computes one token.  When its next token needs a new block and the pool has
+   none free, the *last admitted* running request is preempted (its blocks
+   freed tail first, its computed tokens dropped, back to the front of the
+   waiting queue) until the block fits or the request itself was preempted.
+   A request still in prefill continues with ``min(remaining, token budget)``
+   tokens (chunked prefill).
+2. **Then waiting requests**, FCFS, only if nothing was preempted this step,
+   while the token budget (``max_num_batched_tokens``) lasts and fewer than
+   ``max_num_seqs`` run: the longest cached prefix of full blocks, at most
+   ``(num_tokens - 1) // block_size`` blocks (the last prompt token is always
+   recomputed), is taken from the prefix cache; the request is admitted only if
+   the blocks of its *whole* sequence fit in the free blocks (hit blocks that sit
+   in the free queue count as used); the head of the queue blocks the rest
+   when it does not fit.
+3. Blocks are cached as soon as a step's scheduled tokens fill them (at
+   scheduling, so a request admitted later in the same step hits them),
+   including blocks filled by generated tokens; a finished request frees its
+   blocks tail first (:mod:`bench.sim.block_pool`).
+
+Invariant used for speed: every decoding request computes one token in every
+step (the token budget is never smaller than ``max_num_seqs``, which vLLM
+requires), so decoders advance in lockstep.  A decoder's state is kept as
+``(base tokens, base step)`` and only its block boundaries and its last token
+are events (a heap keyed by step), so a step costs O(1) plus those events, not
+O(running requests).  A request in prefill is always after every decoder in
+admission order (only the last admitted request can be left with a partial
+chunk), so "decoders first, then prefill chunks" is vLLM's running order.
+
+The step's duration comes from :class:`bench.sim.latency.LatencyModel`.  KV
+events queued during the step's scheduling are published at its end, as vLLM's
+``update_from_output`` does.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bench.sim.block_pool import BlockPool
+from bench.sim.latency import LatencyModel
+from bench.sim.workload import SimRequest
+
+__all__ = ["EngineConfig", "Replica", "ReqState"]
+
+_ALLOC = 0
+_CACHE = 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The vLLM settings the replica model needs.
+
+    Attributes:
+        num_blocks: KV-cache blocks, null block included (``num_gpu_blocks``).
+        block_size: tokens per block.
+        max_num_batched_tokens: token budget per step.
+        max_num_seqs: running requests at most.
+        max_model_len: context length; longer requests are rejected upstream.
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 128
+    max_model_len: int = 32768
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (as vLLM requires)")
+
+
+class ReqState:
+    """A request inside one replica."""
+
+    __slots__ = (
+        "req", "keys", "tokens", "P", "N", "T", "c", "blocks", "n_cached", "outputs", "order", "gen",
+        "base_c", "base_step", "chunk", "cached_tokens", "admitted", "preemptions", "arrival_s",
+        "first_token_s", "last_token_s", "finish_s", "replica", "user",
+    )
+
+    def __init__(self, req: SimRequest, arrival_s: float, tokens=None, user=None) -> None:
+        self.req = req
+        self.keys = req.keys
+        self.tokens = tokens
+        self.P = req.prompt_len
+        self.N = req.output_len
+        self.T = req.prompt_len  # tokens known: prompt + generated so far
+        self.c = 0  # tokens whose KV is computed (valid while not decoding)
+        self.blocks: list[int] = []
+        self.n_cached = 0  # blocks of self.blocks cached (have a hash)
+        self.outputs = 0
+        self.order = 0
+        self.gen = 0
+        self.base_c = 0
+        self.base_step = 0
+        self.chunk = 0
+        self.cached_tokens = 0
+        self.admitted = False
+        self.preemptions = 0
+        self.arrival_s = arrival_s
+        self.first_token_s: float | None = None
+        self.last_token_s = 0.0
+        self.finish_s = 0.0
+        self.replica = -1
+        self.user = user  # the cluster's per-request record
+
+
+class Replica:
+    """A vLLM engine: waiting queue, running batch, block pool, step timing.
+
+    Args:
+        index: replica number (its id is ``f"replica-{index}"``).
+        config: engine settings.
+        latency: step-time model.
+        enable_events: publish KV events (costs time; off when no policy reads them).
+        on_step_end: ``f(replica, now)`` after each step (the cluster publishes
+            events and reschedules there).
+        on_first_token: ``f(state, now)``.
+        on_finish: ``f(state, now)``.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        config: EngineConfig,
+        latency: LatencyModel,
+        *,
+        enable_events: bool = False,
+        on_first_token: Callable[[ReqState, float], None] | None = None,
+        on_finish: Callable[[ReqState, float], None] | None = None,
+    ) -> None:
+        self.index = index
+        self.id = f"replica-{index}"
+        self.cfg = config
+        self.latency = latency
+        self.pool = BlockPool(config.num_blocks, config.block_size, enable_events)
+        self.enable_events = enable_events
+        self.on_first_token = on_first_token or (lambda st, now: None)
+        self.on_finish = on_finish or (lambda st, now: None)
+        self.waiting: deque[ReqState] = deque()
+        self.running: dict[ReqState, None] = {}  # admission order
+        self.prefilling: list[ReqState] = []
+        self.n_decoding = 0
+        self.sum_ctx = 0  # sum of decoders' computed tokens at the current step start
+        self.step_no = 0
+        self._sched: list[tuple[int, int, int, int, ReqState, int]] = []  # (step, order, kind, seq, st, gen)
+        self._finish: list[tuple[int, int, int, ReqState, int]] = []  # (step, order, seq, st, gen)
+        self._seq = 0
+        self._order = 0
+        self.busy = False
+        self._now = 0.0
+        self._step_dur = 0.0
+        self.preempted_this_step = False
+        # statistics
+        self.busy_s = 0.0
+        self.steps = 0
+        self.preemptions = 0
+        self.itl: list[tuple[float, int]] = []  # (inter-token gap, tokens with that gap)
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+        # what the current step scheduled
+        self._chunks: list[ReqState] = []
+        self._step_decoders = 0
+
+    # ------------------------------------------------------------------ load numbers
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests inside the engine (Serve's queue length for this replica)."""
+        return len(self.running) + len(self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.pool.usage
+
+    def fits(self, total_tokens: int) -> bool:
+        """Whether a sequence of ``total_tokens`` can ever be admitted here."""
+        return -(-total_tokens // self.cfg.block_size) <= self.cfg.num_blocks - 1
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, st: ReqState) -> None:
+        """A request reaches the engine (joins the waiting queue)."""
+        st.replica = self.index
+        self.waiting.append(st)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _c_of_decoder(self, st: ReqState) -> int:
+        """A decoder's computed tokens at the start of the step being scheduled."""
+        return st.base_c + (self.step_no - st.base_step)
+
+    def _preempt_last(self) -> ReqState:
+        """Preempt the last admitted running request (vLLM FCFS victim)."""
+        victim = next(reversed(self.running))
+        del self.running[victim]
+        if victim in self.prefilling:
+            self.prefilling.remove(victim)
+            victim.c = 0
+        else:  # a decoder: it has computed c_s tokens and holds T = c_s + 1
+            c = self._c_of_decoder(victim)
+            self.n_decoding -= 1
+            self.sum_ctx -= c
+            victim.outputs = victim.outputs + (self.step_no - victim.base_step)
+            victim.T = c + 1
+            victim.c = 0
+            victim.last_token_s = self._now  # its last token came at the end of the previous step
+        victim.gen += 1  # its pending step events are void
+        victim.chunk = 0
+        self.pool.free_blocks(reversed(victim.blocks))
+        victim.blocks = []
+        victim.n_cached = 0
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(victim)
+        self.preempted_this_step = True
+        return victim
+
+    def schedule(self, now: float) -> float | None:
+        """Schedule one step starting at ``now``; returns its duration, or None if idle."""
+        if not self.running and not self.waiting:
+            return None
+        self.step_no += 1
+        s = self.step_no
+        self._now = now
+        self.preempted_this_step = False
+        sched = self._sched
+        if not self.prefilling and not self.waiting and (not sched or sched[0][0] != s):
+            # fast path: only decoders, none at a block boundary
+            n = self.n_decoding
+            self._chunks = []
+            self._step_decoders = n
+            dur = self.latency.step_time(0, 0.0, 0, n, self.sum_ctx, n)
+            self.busy_s += dur
+            self.steps += 1
+            self._step_dur = dur
+            return dur
+        pool = self.pool
+        bs = self.cfg.block_size
+        budget = self.cfg.max_num_batched_tokens
+
+        # 1a. decoders with a block boundary in this step, in admission order
+        while sched and sched[0][0] == s:
+            _, _, kind, _, st, gen = heapq.heappop(sched)
+            if gen != st.gen:
+                continue
+            if kind == _ALLOC:
+                while pool.num_free < 1:
+                    if self._preempt_last() is st:
+                        break
+                if st.gen != gen:
+                    continue  # preempted itself
+                st.blocks.extend(pool.get_new_blocks(1))
+                self._push_sched(s + bs, _ALLOC, st)
+            else:
+                n = st.n_cached
+                pool.cache_full_blocks(st.blocks, st.keys, n, n + 1, st.tokens, st.req.cache_salt)
+                st.n_cached = n + 1
+                self._push_sched(s + bs, _CACHE, st)
+        budget -= self.n_decoding
+
+        # 1b. requests in prefill continue (chunked prefill)
+        chunks: list[ReqState] = []
+        for st in list(self.prefilling):
+            if budget <= 0:
+                break
+            if st not in self.running:
+                continue  # preempted by an earlier one
+            chunk = min(st.T - st.c, budget)
+            need = -(-(st.c + chunk) // bs) - len(st.blocks)
+            gen = st.gen
+            while need > pool.num_free:
+                if self._preempt_last() is st:
+                    break
+            if st.gen != gen:
+                break  # it preempted itself: vLLM stops scheduling running requests
+            if need > 0:
+                st.blocks.extend(pool.get_new_blocks(need))
+            full = min(st.c + chunk, st.T) // bs
+            if full > st.n_cached:
+                pool.cache_full_blocks(st.blocks, st.keys, st.n_cached, full, st.tokens, st.req.cache_salt)
+                st.n_cached = full
+            st.chunk = chunk
+            chunks.append(st)
+            budget -= chunk
+
+        # 2. waiting requests, FCFS, if nothing was preempted
+        if not self.preempted_this_step:
+            waiting = self.waiting
+            max_seqs = self.cfg.max_num_seqs
+            while budget > 0 and waiting and len(self.running) < max_seqs:
+                st = waiting[0]
+                hit = pool.longest_hit(st.keys, (st.T - 1) // bs)
+                n_hit = len(hit)
+                hit_tokens = n_hit * bs
+                evictable = pool.evictable(hit) if hit else 0
+                full_need = -(-st.T // bs) - n_hit + evictable
+                if full_need > pool.num_free:
+                    break
+                chunk = min(st.T - hit_tokens, budget)
+                if hit:
+                    pool.touch(hit)
+                new = -(-(hit_tokens + chunk) // bs) - n_hit
+                st.blocks = hit + (pool.get_new_blocks(new) if new > 0 else [])
+                st.n_cached = n_hit
+                st.c = hit_tokens
+                full = min(hit_tokens + chunk, st.T) // bs
+                if full > n_hit:
+                    pool.cache_full_blocks(st.blocks, st.keys, n_hit, full, st.tokens, st.req.cache_salt)
+                    st.n_cached = full
+                if not st.admitted:
+                    st.admitted = True
+                    st.cached_tokens = hit_tokens
+                waiting.popleft()
+                self._order += 1
+                st.order = self._order
+                self.running[st] = None
+                self.prefilling.append(st)
+                st.chunk = chunk
+                chunks.append(st)
+                budget -= chunk
+
+        # 3. the step's duration
+        self._chunks = chunks
+        self._step_decoders = self.n_decoding
+        if not chunks and not self.n_decoding:
+            self.step_no -= 1
+            return None
+        p_tokens = 0
+        pairs = 0.0
+        kv_read = 0
+        sampled = self.n_decoding
+        for st in chunks:
+            c, n = st.c, st.chunk
+            p_tokens += n
+            pairs += n * (c + (n + 1) / 2.0)
+            kv_read += c
+            if c + n == st.T:
+                sampled += 1
+        dur = self.latency.step_time(p_tokens, pairs, kv_read, self.n_decoding, self.sum_ctx, sampled)
+        self.prefill_tokens += p_tokens
+        self.busy_s += dur
+        self.steps += 1
+        self._step_dur = dur
+        return dur
+
+    def _push_sched(self, step: int, kind: int, st: ReqState) -> None:
+        self._seq += 1
+        heapq.heappush(self._sched, (step, st.order, kind, self._seq, st, st.gen))
+
+    def _start_decoding(self, st: ReqState, next_step: int) -> None:
+        """``st`` finished its prefill in step ``next_step - 1``: decode from ``next_step``."""
+        bs = self.cfg.block_size
+        c = st.c
+        st.base_c = c
+        st.base_step = next_step
+        self.n_decoding += 1
+        self.sum_ctx += c
+        self._push_sched(next_step + (-c) % bs, _ALLOC, st)
+        self._push_sched(next_step + (bs - 1 - c % bs) % bs, _CACHE, st)
+        self._seq += 1
+        # outputs after step s: outputs + (s - next_step + 1); finished when it reaches N
+        heapq.heappush(self._finish, (next_step + st.N - st.outputs - 1, st.order, self._seq, st, st.gen))
+
+    def finish_step(self, now: float) -> None:
+        """End of the step scheduled last: tokens out, finished requests freed."""
+        s = self.step_no
+        n_dec = self._step_decoders
+        if n_dec:
+            self.itl.append((self._step_dur, n_dec))  # each decoder waited exactly this step
+            self.decode_tokens += n_dec
+            self.sum_ctx += n_dec
+        # finished decoders
+        fin = self._finish
+        if not self._chunks and (not fin or fin[0][0] > s):
+            return
+        while fin and fin[0][0] <= s:
+            _, _, _, st, gen = heapq.heappop(fin)
+            if gen != st.gen:
+                continue
+            c_after = st.base_c + (s + 1 - st.base_step)
+            self.sum_ctx -= c_after
+            self.n_decoding -= 1
+            st.outputs = st.N
+            st.c = c_after
+            st.T = st.P + st.N
+            self._release(st, now)
+        # prefill chunks
+        for st in self._chunks:
+            st.c += st.chunk
+            st.chunk = 0
+            if st.c < st.T:
+                continue
+            self.prefilling.remove(st)
+            st.outputs += 1
+            st.T += 1
+            if st.first_token_s is None:
+                st.first_token_s = now
+                self.on_first_token(st, now)
+            else:  # resumed after preemption: the gap since its last token
+                self.itl.append((now - st.last_token_s, 1))
+            st.last_token_s = now
+            if st.outputs >= st.N:
+                self._release(st, now)
+            else:
+                self._start_decoding(st, s + 1)
+        self._chunks = []
+
+    def _release(self, st: ReqState, now: float) -> None:
+        del self.running[st]
+        st.gen += 1
+        self.pool.free_blocks(reversed(st.blocks))
+        st.blocks = []
+        st.finish_s = now
+        st.tokens = None
+        self.on_finish(st, now)

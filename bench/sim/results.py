@@ -1,0 +1,106 @@
+"""Summary metrics of a policy run, as they appear in the JSON report.
+
+* ``hit_rate``: prefix-cache hit tokens over prompt tokens (token-weighted;
+  vLLM's ``num_cached_tokens`` of each request at its first scheduling).
+* ``ttft_p50_s`` / ``ttft_p90_s`` / ``ttft_p99_s``: time to first token from
+  arrival at the router (router queue, engine queue, prefill).
+* ``itl_p50_s`` / ``itl_p99_s``: inter-token latency over every generated
+  token after the first (each decode step's duration, once per sequence in
+  it; a preempted request's gap until it resumes).
+* ``throughput_tok_s``: generated tokens over the run's span (first arrival to
+  last completion).
+* ``load_imbalance``: the busiest replica's busy time over the mean busy time
+  (1.0 is perfectly even).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from bench.sim.cluster import PolicyRun
+
+__all__ = ["summarize", "weighted_quantile"]
+
+
+def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values`` repeated ``weights`` times (lower value at ties)."""
+    if len(values) == 0 or weights.sum() == 0:
+        return float("nan")
+    order = np.argsort(values, kind="stable")
+    v = values[order]
+    cw = np.cumsum(weights[order])
+    target = q * cw[-1]
+    i = int(np.searchsorted(cw, target, side="left"))
+    return float(v[min(i, len(v) - 1)])
+
+
+def _pct(x: np.ndarray, q: float) -> float:
+    return float(np.percentile(x, q)) if len(x) else float("nan")
+
+
+def summarize(run: PolicyRun) -> dict[str, Any]:
+    """The JSON block ``policies.<name>`` of one run."""
+    prompt = int(run.prompt_tokens.sum())
+    hit = int(run.cached_tokens.sum())
+    ttft = run.ttft_s
+    span = float(run.finish_s.max() - run.arrival_s.min()) if len(run.finish_s) else 0.0
+    out_tokens = int(run.output_tokens.sum())
+    busy = run.busy_s
+    e2e = run.finish_s - run.arrival_s
+    return {
+        "hit_rate": hit / prompt if prompt else 0.0,
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p90_s": _pct(ttft, 90),
+        "ttft_p99_s": _pct(ttft, 99),
+        "itl_p50_s": weighted_quantile(run.itl_s, run.itl_weight, 0.50),
+        "itl_p99_s": weighted_quantile(run.itl_s, run.itl_weight, 0.99),
+        "throughput_tok_s": out_tokens / span if span > 0 else 0.0,
+        "load_imbalance": float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
+        "ttft_mean_s": float(ttft.mean()) if len(ttft) else float("nan"),
+        "e2e_p50_s": _pct(e2e, 50),
+        "e2e_p90_s": _pct(e2e, 90),
+        "requests": int(len(ttft)),
+        "rejected": run.rejected,
+        "prompt_tokens": prompt,
+        "cached_tokens": hit,
+        "output_tokens": out_tokens,
+        "preemptions": run.preemptions,
+        "replica_busy_s": [round(float(b), 3) for b in busy],
+        "requests_per_replica": np.bincount(run.replica, minlength=len(busy)).tolist(),
+        "ttft_quantiles_s": [float(v) for v in np.percentile(ttft, np.arange(0, 101))] if len(ttft) else [],
+        "sim_wall_s": round(run.wall_s, 2),
+        "extra": run.extra,
+    }
+
+
+def acceptance(policies: dict[str, dict[str, Any]], bounds: dict[str, float], ours: tuple[str, ...] = (
+        "prefix_affinity", "prefix_affinity_proposed")) -> dict[str, Any]:
+    """The issue's acceptance test on one run (when round-robin and ours ran).
+
+    ``rr_p90_over_p50``: round-robin's p90 over p50 TTFT (the load qualifies at
+    >= 2).  For each of ``ours`` that ran: whether its p90 TTFT is the lowest
+    among the compared policies (the others of ``ours`` excluded), the policy
+    with the lowest p90, and its hit rate over the pooled-cache bound
+    (needs >= 0.9).
+    """
+    out: dict[str, Any] = {}
+    rr = policies.get("round_robin")
+    if rr and rr["ttft_p50_s"] > 0:
+        out["rr_p90_over_p50"] = rr["ttft_p90_s"] / rr["ttft_p50_s"]
+        out["load_qualifies"] = out["rr_p90_over_p50"] >= 2.0
+    pooled = bounds.get("pooled_cache_hit_rate", 0.0)
+    for name in ours:
+        if name not in policies:
+            continue
+        field = [n for n in policies if n == name or n not in ours]
+        best = min(field, key=lambda n: policies[n]["ttft_p90_s"])
+        ratio = policies[name]["hit_rate"] / pooled if pooled > 0 else float("nan")
+        out[name] = {
+            "lowest_p90": best == name,
+            "best_p90_policy": best,
+            "hit_over_pooled": ratio,
+            "hit_ok": ratio >= 0.9,
+        }
+    return out

@@ -1,0 +1,68 @@
+"""``python -m bench.sim`` on a tiny workload: the report's keys, the plot, determinism."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.sim.cli import main
+from bench.sim.policies import POLICIES
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["--workload", "system_prompts", "--num-requests", "60", "--replicas", "3", "--rate-scale", "0.5",
+        "--no-progress"]
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # ray.serve import noise
+KEYS = {"hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "throughput_tok_s",
+        "load_imbalance"}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sim")
+    out, png = d / "r.json", d / "r.png"
+    assert main(TINY + ["--policies", "all", "--seed", "7", "--json", str(out), "--plot", str(png)]) == 0
+    return json.loads(out.read_text()), png
+
+
+def test_report_has_every_policy_and_metric(report):
+    rep, _ = report
+    assert list(rep["policies"]) == list(POLICIES)
+    for name, p in rep["policies"].items():
+        assert KEYS <= set(p), name
+        assert 0.0 <= p["hit_rate"] <= 1.0
+        assert 0 < p["ttft_p50_s"] <= p["ttft_p90_s"] <= p["ttft_p99_s"]
+        assert 0 < p["itl_p50_s"] <= p["itl_p99_s"]
+        assert p["throughput_tok_s"] > 0 and p["load_imbalance"] >= 1.0
+        assert p["requests"] == 60
+    b = rep["bounds"]
+    assert 0 <= b["pooled_cache_hit_rate"] <= b["unbounded_cache_hit_rate"] <= 1
+    assert rep["config"]["block_size"] == 16 and rep["config"]["replicas"] == 3
+
+
+def test_plot_is_a_png(report):
+    _, png = report
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_same_seed_same_numbers(report, tmp_path):
+    rep, _ = report
+    out = tmp_path / "again.json"
+    main(TINY + ["--policies", "pow2,prefix_affinity", "--seed", "7", "--json", str(out), "--jobs", "2"])
+    again = json.loads(out.read_text())
+    for name in ("pow2", "prefix_affinity"):
+        a, b = dict(rep["policies"][name]), dict(again["policies"][name])
+        for d in (a, b):
+            d.pop("sim_wall_s")
+        assert a == b
+
+
+def test_module_entry_point_and_unknown_policy():
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.sim", *TINY, "--num-requests", "10", "--policies", "nope"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0 and "unknown policy" in (proc.stderr + proc.stdout)

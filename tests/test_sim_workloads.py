@@ -1,0 +1,135 @@
+"""Workloads: the Mooncake format, deterministic token synthesis, generators, the rate scale."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from bench.sim.bounds import cache_hit_rates
+from bench.sim.generators import GENERATORS, generate
+from bench.sim.trace import load_mooncake
+from bench.sim.workload import segment_tokens
+from routing.block_keys import block_keys
+
+
+def test_segment_tokens_are_a_pure_function_of_the_id():
+    a = segment_tokens(42, 512, namespace=1)
+    assert np.array_equal(a, segment_tokens(42, 512, namespace=1))
+    assert np.array_equal(segment_tokens(42, 100, namespace=1), a[:100])  # a cut is a prefix
+    assert np.array_equal(segment_tokens(42, 1500, namespace=1)[:512], a)
+    assert not np.array_equal(segment_tokens(43, 512, namespace=1), a)
+    assert not np.array_equal(segment_tokens(42, 512, namespace=2), a)
+    assert a.dtype == np.uint32 and a.max() < 150_000
+
+
+@pytest.fixture()
+def trace(tmp_path):
+    rows = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [1, 2, 3]},
+        {"timestamp": 500, "input_length": 1090, "output_length": 7, "hash_ids": [1, 2, 4]},
+        {"timestamp": 250, "input_length": 600, "output_length": 0, "hash_ids": [9, 10]},
+        {"timestamp": 900, "input_length": 5000, "output_length": 10, "hash_ids": list(range(20, 30))},
+    ]
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return p
+
+
+def test_mooncake_trace_is_read_in_arrival_order_with_shared_blocks(trace):
+    wl = load_mooncake(trace, max_model_len=4096)
+    assert wl.rejected == 1  # 5,010 tokens > 4,096
+    assert [r.arrival_s for r in wl.requests] == [0.0, 0.25, 0.5]
+    a, c, b = wl.requests
+    assert a.prompt_len == 1100 and a.segments[-1] == (3, 1100 - 1024)
+    assert c.output_len == 1  # at least one token
+    wl.prepare(16)
+    # two shared 512-token hash ids: 64 shared block keys, then they differ
+    assert list(a.keys[:64]) == list(b.keys[:64]) and a.keys[64] != b.keys[64]
+    # keys are routing.block_keys over the synthesized tokens (prompt + output)
+    toks = wl.tokens(a)
+    assert len(toks) == 1105 and list(a.keys) == block_keys(toks.tolist(), 16)
+
+
+def test_mooncake_trace_rejects_malformed_lines(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps({"timestamp": 0, "input_length": 2000, "output_length": 1, "hash_ids": [1]}) + "\n")
+    with pytest.raises(ValueError, match="hash_ids"):
+        load_mooncake(p)
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_generators_are_deterministic_for_a_seed(name):
+    a = generate(name, 200, seed=3)
+    b = generate(name, 200, seed=3)
+    c = generate(name, 200, seed=4)
+    key = lambda wl: [(r.arrival_s, r.segments, r.output_len, r.cache_salt) for r in wl.requests]  # noqa: E731
+    assert key(a) == key(b) and key(a) != key(c)
+    assert len(a) == 200 and all(r.rid == i for i, r in enumerate(a.requests))
+    assert all(x.arrival_s <= y.arrival_s for x, y in zip(a.requests, a.requests[1:]))
+    a.prepare(16)
+    b.prepare(16)
+    assert [list(r.keys) for r in a.requests[:20]] == [list(r.keys) for r in b.requests[:20]]
+
+
+def test_chat_turns_extend_the_previous_prompt_and_answer():
+    wl = generate("chat", 300, seed=1)
+    by_session: dict[int, list] = {}
+    for r in wl.requests:
+        by_session.setdefault(r.session, []).append(r)
+    multi = [v for v in by_session.values() if len(v) >= 2]
+    assert multi
+    first, second = multi[0][0], multi[0][1]
+    assert second.segments[: len(first.segments)] == first.segments
+    assert second.segments[len(first.segments)] == (first.output_segment, first.output_len)
+    wl.prepare(16)
+    n = (first.prompt_len + first.output_len) // 16
+    assert list(second.keys[:n]) == list(first.keys[:n])  # the answer's blocks are a shared prefix
+
+
+def test_shared_system_prompts_share_blocks():
+    wl = generate("system_prompts", 100, seed=0)
+    wl.prepare(16)
+    by_group: dict[int, list] = {}
+    for r in wl.requests:
+        by_group.setdefault(r.session, []).append(r)
+    g = max(by_group.values(), key=len)
+    n = g[0].segments[0][1] // 16
+    assert len(g) > 1 and all(list(r.keys[:n]) == list(g[0].keys[:n]) for r in g)
+
+
+def test_tenants_never_share_blocks_despite_equal_tokens():
+    wl = generate("multi_tenant", 400, seed=0)
+    wl.prepare(16)
+    by_tmpl: dict[tuple, list] = {}
+    for r in wl.requests:
+        by_tmpl.setdefault(r.segments[0], []).append(r)
+    group = max(by_tmpl.values(), key=len)
+    salts = {r.cache_salt for r in group}
+    assert len(salts) > 1
+    firsts = {}
+    for r in group:
+        firsts.setdefault(r.cache_salt, set()).add(r.keys[0])
+    assert all(len(v) == 1 for v in firsts.values())  # one tenant, one template: one first block
+    assert len(set().union(*firsts.values())) == len(firsts)  # distinct across tenants
+
+
+def test_rate_scale_divides_arrival_times():
+    wl = generate("rag", 50, seed=0)
+    fast = wl.scaled(2.0)
+    assert [r.arrival_s for r in fast.requests] == pytest.approx([r.arrival_s / 2 for r in wl.requests])
+    assert [r.segments for r in fast.requests] == [r.segments for r in wl.requests]
+    with pytest.raises(ValueError):
+        wl.scaled(0)
+
+
+def test_bounds_unbounded_reaches_the_reuse_ceiling_and_pooled_does_not_exceed_it(trace):
+    wl = load_mooncake(trace)
+    b = cache_hit_rates(wl, 16, pooled_blocks=10**6)
+    assert b["pooled_cache_hit_rate"] == b["unbounded_cache_hit_rate"]
+    # only the second request reuses: two 512-token blocks
+    total = 1100 + 1090 + 600 + 5000
+    assert b["unbounded_cache_hit_rate"] == pytest.approx(1024 / total)
+    small = cache_hit_rates(wl, 16, pooled_blocks=70)
+    assert small["pooled_cache_hit_rate"] < small["unbounded_cache_hit_rate"]
