@@ -60,6 +60,13 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
 
 
+@fastapi_app.exception_handler(Exception)
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    # Anything unexpected still answers in OpenAI's shape (no secrets in the message).
+    logger.exception("unhandled error in the ingress")
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}", 500), status_code=500)
+
+
 @fastapi_app.middleware("http")
 async def _require_api_key(request: Request, call_next):
     refused = auth.rejection(request.url.path, request.headers.get("authorization"))

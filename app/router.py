@@ -257,14 +257,17 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             }
         snap["subscribed"] = self.subscriber.endpoints()
         snap["events"] = self.subscriber.stats.as_dict()
-        snap["inflight"] = {uid: len(v) for uid, v in self.core.inflight.items()}
+        # Read from the ingress's event loop while the router's loop (another
+        # thread) mutates these: copy in one C-level call before iterating.
+        inflight = dict(self.core.inflight)
+        snap["inflight"] = {uid: len(v) for uid, v in inflight.items()}
         snap["decision_us_last_60s"] = self.decision_summary(60.0)
         return snap
 
     def decision_summary(self, window_s: float) -> dict[str, float]:
         """Count, p50 and p99 (microseconds) of routing decisions in the last ``window_s``."""
         cutoff = time.monotonic() - window_s
-        recent = sorted(d for t, d in list(self._timings) if t >= cutoff)
+        recent = sorted(d for t, d in self._timings.copy() if t >= cutoff)
         if not recent:
             return {"count": 0, "p50": 0.0, "p99": 0.0}
         pick = lambda q: recent[min(len(recent) - 1, int(q * len(recent)))] * 1e6  # noqa: E731
