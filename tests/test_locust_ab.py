@@ -180,3 +180,10 @@ def test_cli_rejects_unknown_routers():
     with pytest.raises(SystemExit):
         ab.parse_args(["--routers", "ours,fastest"])
     assert ab.parse_args([]).routers == list(ab.ROUTERS)
+
+
+def test_locust_gets_the_think_time_unless_given():
+    assert ab.parse_args([]).think_time == 0.8
+    assert ab._arg_value(["--think-time=0.5"], "--think-time") == "0.5"
+    assert ab._arg_value(["--think-time", "0"], "--think-time") == "0"
+    assert ab._arg_value(["--sp-zipf=1"], "--think-time") is None

@@ -53,7 +53,7 @@ def plot_report(report: dict[str, Any], path: str | os.PathLike, title: str | No
                         label=f"{label} {bounds[key] * 100:.1f}")
     ax2.set_xlim(0, 100)
     ax2.set_xlabel("prefix-cache hit rate (% of prompt tokens)")
-    ax2.legend(fontsize=8, loc="lower right")
+    ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     ax2.set_title("hit rate")
     if title:
         fig.suptitle(title, fontsize=10)

@@ -441,7 +441,8 @@ class ProposedAffinityPolicy(PrefixAffinityPolicy):
     """
 
     name = "prefix_affinity_proposed"
-    PROPOSAL = Proposal(release_prefill_at_first_token=True, uncached_weight=2.0, load_floor=16)
+    PROPOSAL = Proposal(release_prefill_at_first_token=True, uncached_weight=4.0, load_floor=16,
+                        no_holder_lowest_cost=True)
 
     def __init__(self, settings: RouterSettings | None = None, proposal: Proposal | None = None) -> None:
         super().__init__(settings, proposal or self.PROPOSAL)

@@ -1,0 +1,146 @@
+"""Routing policies of the simulator on hand-made cluster states (no simulation loop)."""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+import pytest
+
+from bench.sim.affinity import AffinityRouter, Candidate, Proposal, RouterSettings
+from bench.sim.event_path import EventPath
+from bench.sim.latency import PRESETS
+from bench.sim.policies import (EXTRA_POLICIES, POLICIES, LlmDPolicy, RouterContext, make_policy, policy_names,
+                                policy_seed)
+from bench.sim.replica import EngineConfig, Replica
+from bench.sim.workload import SimRequest
+from routing.block_keys import block_keys
+from routing.events import BlockStored
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # ray.serve import noise
+
+BS = 16
+
+
+def request(rid: int, tokens: list[int], salt: str | None = None) -> SimRequest:
+    r = SimRequest(rid, 0.0, ((rid, len(tokens)),), rid, len(tokens), 4, cache_salt=salt)
+    r.keys = array("Q", block_keys(tokens + [0] * 4, BS, cache_salt=salt))
+    return r
+
+
+def ctx(n: int = 4, seed: int = 0) -> RouterContext:
+    reps = [Replica(i, EngineConfig(num_blocks=1000, block_size=BS), PRESETS["4090-qwen2.5-7b-awq"].latency)
+            for i in range(n)]
+    return RouterContext(replicas=reps, block_size=BS, max_ongoing_requests=128, rng=random.Random(seed))
+
+
+def store(policy, replica: int, tokens: list[int]) -> None:
+    """Deliver a BlockStored of ``tokens`` from ``replica`` to the policy's index, as an engine would."""
+    n = len(tokens) // BS
+    keys = block_keys(tokens, BS)
+    ev = BlockStored(block_hashes=keys[:n], parent_block_hash=None, token_ids=tokens[: n * BS], block_size=BS,
+                     lora_id=None, medium="GPU", lora_name=None, extra_keys=[None] * n, group_idx=0)
+    path = EventPath(policy.index, 0.0)
+    path.deliver(f"replica-{replica}", path.publish(f"replica-{replica}", [ev], 0.0)[1], 0.0)
+
+
+PROMPT = list(range(100, 100 + 640))
+
+
+def test_registry_and_names():
+    assert list(POLICIES)[-1] == "prefix_affinity" and len(POLICIES) == 8
+    assert policy_names("all") == list(POLICIES)
+    assert policy_names("all,prefix_affinity_proposed")[-1] in EXTRA_POLICIES
+    with pytest.raises(KeyError, match="round_robin"):
+        policy_names("nope")
+    assert policy_seed(1, "pow2") == policy_seed(1, "pow2") != policy_seed(1, "random")
+
+
+@pytest.mark.parametrize("name", ["dynamo", "llm_d", "prefix_affinity", "prefix_affinity_proposed"])
+def test_kv_aware_policies_route_to_the_replica_holding_the_prefix(name):
+    p = make_policy(name)
+    p.setup(ctx())
+    store(p, 2, PROMPT)
+    req = request(0, PROMPT + [7] * 30)
+    assert p.choose(req, [0, 1, 2, 3], 1.0) == 2
+
+
+def test_ray_prefix_uses_the_installed_prefix_tree():
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
+
+    p = make_policy("ray_prefix")
+    p.setup(ctx())
+    assert isinstance(p.tree, PrefixTree)
+    first = request(0, PROMPT)
+    r = p.choose(first, [0, 1, 2, 3], 0.0)
+    p.routed(first, r, 0.0)
+    again = request(1, PROMPT + [5] * 40)  # same prefix: a match rate far above 10 %
+    assert p.choose(again, [0, 1, 2, 3], 1.0) == r
+    # the text is per block: equal block prefixes are equal character prefixes
+    assert p.text(again).startswith(p.text(first)[: 16 * (len(PROMPT) // BS)])
+
+
+def test_consistent_hash_follows_the_first_block():
+    p = make_policy("consistent_hash")
+    p.setup(ctx(8))
+    a = p.choose(request(0, PROMPT), list(range(8)), 0.0)
+    assert p.choose(request(1, PROMPT[:16] + [9] * 100), list(range(8)), 0.0) == a
+    others = [i for i in range(8) if i != a]
+    assert p.choose(request(2, PROMPT), others, 0.0) in others  # walks past a full replica
+
+
+def test_round_robin_and_pow2():
+    rr = make_policy("round_robin")
+    rr.setup(ctx())
+    assert [rr.choose(request(i, PROMPT), [0, 1, 2, 3], 0.0) for i in range(5)] == [0, 1, 2, 3, 0]
+    p2 = make_policy("pow2")
+    c = ctx(2)
+    p2.setup(c)
+    c.replicas[0].waiting.extend([object()] * 3)  # queue length 3 vs 0
+    assert p2.choose(request(0, PROMPT), [0, 1], 0.0) == 1
+
+
+def test_llm_d_min_max_normalization():
+    norm = LlmDPolicy._minmax({0: 10.0, 2: 5.0}, [0, 1, 2], True)
+    assert norm == {0: 1.0, 1: 0.0, 2: 0.0}
+    assert LlmDPolicy._minmax({0: 3.0, 1: 3.0}, [0, 1], False) == {0: 1.0, 1: 1.0}
+    assert LlmDPolicy._minmax({}, [0, 1], True) == {0: 0.0, 1: 0.0}
+
+
+def test_affinity_router_runs_the_live_sequence():
+    router = AffinityRouter(RouterSettings(), random.Random(0))
+    keys = block_keys(PROMPT, BS)
+    stats = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
+    two = [Candidate(f"r{i}", stats, 128) for i in range(2)]
+    d1 = router.choose(keys, len(PROMPT), BS, two, 0.0)
+    router.routed(1, d1.replica_id, keys, len(PROMPT), BS, d1, 0.0)
+    assert router.inflight[d1.replica_id][1] == len(PROMPT)  # no cached tokens predicted for the first
+    # blind window: the prediction makes the same prefix look cached there before any event
+    other = next(c.replica_id for c in two if c.replica_id != d1.replica_id)
+    router.inflight[other] = {99: 2000}  # the other replica has more queued prefill
+    d2 = router.choose(keys, len(PROMPT), BS, two, 0.5)
+    assert d2.replica_id == d1.replica_id and d2.reason == "prefix_hit"
+    # with four candidates and one request in flight the bounded-load limit is
+    # ceil(1.25 * 2 / 4) = 1: the holder is over it and the request spills
+    # (the low-concurrency effect discussed in docs/benchmarks.md)
+    four = two + [Candidate(f"r{i}", stats, 128) for i in range(2, 4)]
+    d3 = router.choose(keys, len(PROMPT), BS, four, 0.5)
+    assert d3.replica_id != d1.replica_id and d3.reason == "spill_overload"
+    proposed = AffinityRouter(RouterSettings(), random.Random(0), Proposal(load_floor=16))
+    proposed.index, proposed.inflight = router.index, router.inflight
+    router.inflight.update({c.replica_id: {90 + i: 2000} for i, c in enumerate(four[2:])})
+    assert proposed.choose(keys, len(PROMPT), BS, four, 0.5).replica_id == d1.replica_id
+    router.completed(d1.replica_id, 1)
+    assert router.inflight[d1.replica_id] == {}
+
+
+def test_proposal_releases_queued_prefill_at_first_token():
+    live = AffinityRouter(RouterSettings(), random.Random(0))
+    prop = AffinityRouter(RouterSettings(), random.Random(0), Proposal(release_prefill_at_first_token=True))
+    keys = block_keys(PROMPT, BS)
+    cands = [Candidate("r0", None, 128), Candidate("r1", None, 128)]
+    for router in (live, prop):
+        d = router.choose(keys, len(PROMPT), BS, cands, 0.0)
+        router.routed(7, "r0", keys, len(PROMPT), BS, d, 0.0)
+        router.first_token("r0", 7)
+    assert live.inflight["r0"][7] == len(PROMPT) and prop.inflight["r0"][7] == 0
