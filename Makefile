@@ -53,9 +53,13 @@ test-unit: install
 bench: install
 	$(PY) -m bench.router_overhead --json reports/router_overhead.json
 
-# A/B load experiment on the default CPU config: ours, pow2, round-robin, Ray's prefix router (< 15 min).
+# A/B load experiment of the request routers (ours, Serve's power-of-two-choices, round-robin,
+# Ray's PrefixCacheAffinityRouter) on the engines of serve_config.yaml, the same Locust load each.
+# Loopback only, bounded (about 13 min, at most 15). Report: reports/ab/ (summary.json, Locust
+# CSV/HTML, ttft_cdf.png, hit_rate.png). Options: make ab AB_ARGS="--routers ours,round_robin --run-time 120"
+AB_ARGS ?=
 ab: install model
-	$(PY) -m bench.ab --out reports/ab
+	$(PY) -m bench.ab --out reports/ab $(AB_ARGS)
 
 # Cluster simulator on the shared Mooncake trace, every policy (see docs/benchmarks.md).
 sim: install

@@ -738,6 +738,10 @@ def main(argv: list[str] | None = None) -> int:
     for f in ("summary.json", "ttft_cdf.png", "hit_rate.png"):
         (out / f).unlink(missing_ok=True)
 
+    def _terminate(signum, frame):  # `kill`: tear down like Ctrl-C does
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
     watchdog = _watchdog(args.budget_s + 30, local)
     startup_estimate = 100.0
     exit_code = 0
