@@ -8,10 +8,15 @@ and the RTX 4090 cluster config (``infra/serve_config.4090.yaml``).
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from routing.affinity import AffinityRouter
+from routing.index import BlockIndex
+from routing.policy import PolicyConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,6 +64,9 @@ class ReplicaConfig(_Strict):
     max_ongoing_requests: int = Field(64, ge=1)
 
 
+_POLICY = PolicyConfig()
+
+
 class RouterConfig(_Strict):
     """Knobs of the prefix-affinity request router (see ``routing/policy.py``).
 
@@ -69,7 +77,19 @@ class RouterConfig(_Strict):
     max_indexed_blocks: int = Field(1_000_000, ge=1, description="index cap; least recently used blocks go first")
     predicted_ttl_s: float = Field(2.0, gt=0.0, description="blind-window lifetime of predicted blocks")
     load_factor: float = Field(1.25, ge=1.0, description="bounded load: spill above this multiple of mean load")
+    load_floor: int = Field(_POLICY.load_floor, ge=0, description="no replica is over the load bound below this many requests in flight")
+    uncached_weight: float = Field(_POLICY.uncached_weight, ge=1.0, description="weight of uncached prompt tokens against queued ones in the score")
     stale_events_s: float = Field(30.0, gt=0.0, description="a replica silent this long with work in flight is routed by load only")
+
+    def affinity_router(self, rng: random.Random | None = None) -> AffinityRouter:
+        """A fresh ``routing.affinity.AffinityRouter`` (with its own ``BlockIndex``) with these knobs.
+
+        The live router and the simulator both build theirs here, so they run the same settings.
+        """
+        policy = PolicyConfig(load_floor=self.load_floor, uncached_weight=self.uncached_weight)
+        return AffinityRouter(BlockIndex(max_blocks=self.max_indexed_blocks), load_factor=self.load_factor,
+                              predicted_ttl_s=self.predicted_ttl_s, stale_events_s=self.stale_events_s,
+                              rng=rng, policy=policy)
 
 
 class TracingConfig(_Strict):

@@ -479,6 +479,9 @@ class OpenAIIngress:
         last: EngineOutput | None = None
         async for out in self._generate_with_retry(ereq):
             now = time.perf_counter()
+            if last is None:  # the engine answered: the prompt is prefilled
+                for router in list(metrics.ROUTERS):
+                    router.first_token(ereq.request_id)
             if out.token_ids:
                 if previous is None:
                     metrics.TTFT_SECONDS.observe(now - started)

@@ -37,9 +37,8 @@ from app import metrics, tracing
 from app import protocol as stats_keys
 from app.config import RouterConfig
 from app.protocol import EngineRequest
-from routing.affinity import AffinityRouter, Candidate
+from routing.affinity import Candidate
 from routing.block_keys import block_keys
-from routing.index import BlockIndex
 from routing.subscriber import EventSubscriber
 
 logger = logging.getLogger("prefix_serve.router")
@@ -55,15 +54,14 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self.cfg = RouterConfig.model_validate(kwargs)
         self.lock = threading.Lock()  # guards self.index (shared with the event subscriber thread)
-        self.index = BlockIndex(max_blocks=self.cfg.max_indexed_blocks)
-        self.subscriber = EventSubscriber(self.index, self.lock)
         self.rng = random.Random()
-        self.core = AffinityRouter(self.index, load_factor=self.cfg.load_factor,
-                                   predicted_ttl_s=self.cfg.predicted_ttl_s,
-                                   stale_events_s=self.cfg.stale_events_s, rng=self.rng)
+        self.core = self.cfg.affinity_router(self.rng)
+        self.index = self.core.index
+        self.subscriber = EventSubscriber(self.index, self.lock)
         self._pending: dict[str, tuple[list[int], int, int, Any]] = {}  # internal id -> (keys, prompt_len, block_size, decision)
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()  # EngineRequest.request_id -> decision
         self._chosen_at: dict[str, int] = {}  # internal id -> routing start (ns), for the routing span
+        self._awaiting_first: OrderedDict[str, tuple[str, str]] = OrderedDict()  # request id -> (replica, internal id)
         self._timings: deque[tuple[float, float]] = deque(maxlen=200_000)  # (monotonic s, decision s)
         metrics.ROUTERS.add(self)
 
@@ -182,6 +180,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         metrics.PROMPT_TOKENS.inc(prompt_len)
         metrics.PREDICTED_CACHED.inc(predicted)
         request = pending_request.args[0]
+        self._awaiting_first[request.request_id] = (uid, internal_id)
+        while len(self._awaiting_first) > _MAX_PENDING:
+            self._awaiting_first.popitem(last=False)
         self.decisions[request.request_id] = {
             "replica_id": uid,
             "reason": reason,
@@ -213,6 +214,18 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             "prefix_serve.route.index_staleness_s": -1.0 if d["index_staleness_s"] is None else d["index_staleness_s"],
         })
         span.end()
+
+    def first_token(self, request_id: str) -> None:
+        """The ingress got the first output of ``EngineRequest.request_id``: its prefill is done.
+
+        Its uncached prompt tokens leave the replica's queued prefill work
+        (``AffinityRouter.first_token``). Unknown ids (routed by another
+        router, or long gone) are ignored.
+        """
+        entry = self._awaiting_first.pop(request_id, None)
+        if entry is not None:
+            with self.lock:
+                self.core.first_token(*entry)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self.core.completed(replica_id.unique_id, internal_request_id)

@@ -14,7 +14,9 @@ simulator measures the code that serves traffic. For each request:
 2. ``routed``: once the request is sent (possibly to a fallback replica): the
    blind window (``BlockIndex.predict`` of its blocks on that replica), in-flight
    accounting of ``prompt_len - cached_tokens`` and the staleness debt.
-3. ``completed``: the in-flight entry is dropped.
+3. ``first_token``: its prefill is done; its uncached tokens leave the
+   replica's queued prefill work (it still counts as in flight).
+4. ``completed``: the in-flight entry is dropped.
 
 Time is passed in; nothing here reads a clock, takes a lock or does I/O (the
 caller serialises access to ``index`` with the event ingestion).
@@ -71,12 +73,18 @@ class AffinityRouter:
         stale_events_s: a replica owing events this long is routed by load only.
         rng: tie-breaks and power-of-two sampling.
         policy: cost-function knobs (``load_epsilon`` is set from ``load_factor``).
+        release_prefill_at_first_token: ``first_token`` drops a request's
+            uncached prompt tokens from its replica's queued prefill work (its
+            prefill is done).  False keeps them until ``completed``: a replica
+            decoding long answers then looks as if it still had all their
+            prompts to prefill (kept only for the simulator's ablation).
     """
 
     def __init__(self, index: BlockIndex, *, load_factor: float = 1.25, predicted_ttl_s: float = 2.0,
                  stale_events_s: float = 30.0, rng: random.Random | None = None,
-                 policy: PolicyConfig | None = None) -> None:
+                 policy: PolicyConfig | None = None, release_prefill_at_first_token: bool = True) -> None:
         self.policy = replace(policy or PolicyConfig(), load_epsilon=load_factor - 1.0)
+        self.release_prefill_at_first_token = release_prefill_at_first_token
         self.index = index
         self.predicted_ttl_s = predicted_ttl_s
         self.staleness = EventStaleness(stale_events_s)
@@ -130,6 +138,13 @@ class AffinityRouter:
         else:
             reason = decision.reason if replica_id == decision.replica_id else "fallthrough"
         return Routed(replica_id, reason, predicted, prompt_len)
+
+    def first_token(self, replica_id: str, request_id: Hashable) -> None:
+        """The request's first output token came back: its prefill is no longer queued work."""
+        if self.release_prefill_at_first_token:
+            entry = self.inflight.get(replica_id)
+            if entry is not None and request_id in entry:
+                entry[request_id] = 0
 
     def completed(self, replica_id: str, request_id: Hashable) -> None:
         self.inflight.get(replica_id, {}).pop(request_id, None)

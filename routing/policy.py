@@ -27,6 +27,17 @@ Cost function (seconds, a predicted time to first token)::
 * Near-full KV cache (``kv_cache_usage`` >= threshold) means preemption or
   waiting for free blocks: a flat penalty.
 
+Replicas are ranked by a score, not by ``ttft_r`` itself::
+
+    score_r = ttft_r + (uncached_weight - 1) * uncached_r * prefill_cost_per_token_s
+
+A prompt token recomputed on a replica costs the cluster more than this
+request's own TTFT: every request queued behind it waits for it, and the
+recomputed prefix takes a second copy in another cache, evicting other
+prefixes.  ``uncached_weight`` > 1 charges for that; the simulator's ablation
+(docs/benchmarks.md) chose the default.  ``Decision.predicted_ttft_s`` and
+``Decision.costs`` stay the unweighted ``ttft_r``.
+
 Rules, in order:
 
 1. One candidate: take it (``"only_candidate"``).
@@ -35,20 +46,23 @@ Rules, in order:
    cost wins (``"all_saturated"``); the caller may prefer to back off.
 3. Bounded load (consistent hashing with bounded loads): with ``L`` the sum of
    the candidates' ``inflight_requests`` and ``n`` candidates, a replica whose
-   ``inflight_requests + 1 > ceil((1 + load_epsilon) * (L + 1) / n)`` is over
-   the bound and not eligible while another is within it.  The least-loaded
-   candidate is always within the bound, so a hot prefix spills instead of
-   piling onto the replica that holds it.
+   ``inflight_requests + 1 > max(ceil((1 + load_epsilon) * (L + 1) / n), load_floor)``
+   is over the bound and not eligible while another is within it.  The
+   least-loaded candidate is always within the bound, so a hot prefix spills
+   instead of piling onto the replica that holds it.  ``load_floor``: at low
+   concurrency the plain bound is one or two requests, far below what an
+   engine batches, and would send requests away from their cached prefix for
+   no gain (below the floor, queued work is priced by the cost function).
 4. No eligible candidate holds any block of the prompt: power of two choices
-   among the eligible ones, the lower predicted TTFT of two sampled with
+   among the eligible ones, the lower score of two sampled with
    ``rng`` (``"pow2"``; ``"spill_overload"`` if some ineligible one holds blocks).
-5. Otherwise the eligible candidate with the lowest predicted TTFT wins, not
+5. Otherwise the eligible candidate with the lowest score wins, not
    the longest match.  Reason: ``"prefix_hit"`` if it holds the longest match
    of all candidates, ``"spill_overload"`` if every holder of the longest match
    was over the bound or saturated, ``"lower_ttft"`` if a longer match was
    eligible but lost on cost (e.g. its replica has much more queued work).
 
-Ties (equal cost) are broken by ``rng.choice`` over the tied replicas in
+Ties (equal score) are broken by ``rng.choice`` over the tied replicas in
 candidate order, so a decision is deterministic given the inputs and the
 rng state.
 """
@@ -116,6 +130,10 @@ class PolicyConfig:
         kv_pressure_threshold: KV usage in [0, 1] from which the penalty applies.
         kv_pressure_penalty_s: seconds added above the threshold.
         load_epsilon: slack of the load bound (0.25 = 25 % above the mean).
+        load_floor: in-flight requests below which no replica is over the
+            load bound (0 = the plain bound).
+        uncached_weight: weight (>= 1) of a replica's uncached prompt tokens
+            in its score, relative to queued tokens.
     """
 
     prefill_cost_per_token_s: float = 1e-4
@@ -124,6 +142,8 @@ class PolicyConfig:
     kv_pressure_threshold: float = 0.95
     kv_pressure_penalty_s: float = 0.1
     load_epsilon: float = 0.25
+    load_floor: int = 16
+    uncached_weight: float = 4.0
 
 
 @dataclass(slots=True)
@@ -160,10 +180,10 @@ def cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> i
     return min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size
 
 
-def _lowest(indices: Sequence[int], costs: Sequence[float], rng: random.Random) -> int:
-    """Index (into ``costs``) of the cheapest of ``indices``; ties broken by ``rng``."""
-    best = min([costs[i] for i in indices])
-    tied = [i for i in indices if costs[i] <= best + 1e-12]
+def _lowest(indices: Sequence[int], scores: Sequence[float], rng: random.Random) -> int:
+    """Index (into ``scores``) of the lowest of ``indices``; ties broken by ``rng``."""
+    best = min([scores[i] for i in indices])
+    tied = [i for i in indices if scores[i] <= best + 1e-12]
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
@@ -191,8 +211,10 @@ def choose_replica(
     waiting_s = config.waiting_penalty_s
     kv_threshold = config.kv_pressure_threshold
 
+    extra_per_uncached = (config.uncached_weight - 1.0) * per_token
     cached: list[int] = []
     costs: list[float] = []
+    scores: list[float] = []
     free: list[int] = []  # not saturated
     total_load = 0
     for i, v in enumerate(candidates):
@@ -206,6 +228,7 @@ def choose_replica(
             cost += config.kv_pressure_penalty_s
         cached.append(c)
         costs.append(cost)
+        scores.append(cost + (prompt - c) * extra_per_uncached)
         total_load += inflight
         if v.max_ongoing_requests is None or inflight < v.max_ongoing_requests:
             free.append(i)
@@ -214,17 +237,17 @@ def choose_replica(
     if n == 1:
         chosen, reason = 0, "only_candidate"
     elif not free:
-        chosen, reason = _lowest(range(n), costs, rng), "all_saturated"
+        chosen, reason = _lowest(range(n), scores, rng), "all_saturated"
     else:
-        bound = math.ceil((1.0 + config.load_epsilon) * (total_load + 1) / n)
+        bound = max(math.ceil((1.0 + config.load_epsilon) * (total_load + 1) / n), config.load_floor)
         eligible = [i for i in free if candidates[i].inflight_requests < bound] or free
         best_eligible = max([cached[i] for i in eligible])
         if best_eligible == 0:
             pair = rng.sample(eligible, 2) if len(eligible) > 2 else eligible
-            chosen = _lowest(pair, costs, rng)
+            chosen = _lowest(pair, scores, rng)
             reason = "pow2" if longest == 0 else "spill_overload"
         else:
-            chosen = _lowest(eligible, costs, rng)
+            chosen = _lowest(eligible, scores, rng)
             if cached[chosen] == longest:
                 reason = "prefix_hit"
             elif best_eligible == longest:

@@ -32,6 +32,9 @@ def test_routes_to_the_holder_and_predicts_for_the_burst():
     routed = router.routed("r1", "a", keys, len(prefix) + 5, BS, d, now=1.0, last_event_at=0.5)
     assert routed.predicted_cached_tokens == 64 * BS and routed.reason == "prefix_hit"
     assert router.inflight["a"]["r1"] == 5  # only the suffix is left to prefill
+    router.first_token("a", "r1")  # prefilled: still in flight, no queued prefill left
+    assert router.inflight["a"] == {"r1": 0}
+    router.first_token("a", "unknown")  # ignored
     # A new prefix: no holder, so power of two choices on load picks the idle "b".
     other = list(range(5000, 5000 + 32 * BS))
     k2 = block_keys(other, BS)

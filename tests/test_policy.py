@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -16,6 +17,8 @@ CFG = PolicyConfig(
     kv_pressure_threshold=0.95,
     kv_pressure_penalty_s=0.1,
     load_epsilon=0.25,
+    load_floor=0,
+    uncached_weight=1.0,
 )
 REQ = RoutingRequest(prompt_tokens=4096, block_size=16)
 
@@ -142,3 +145,28 @@ def test_single_and_no_candidates() -> None:
         choose_replica(REQ, [], CFG, random.Random(0))
     with pytest.raises(ValueError):
         choose_replica(RoutingRequest(10, 0), [view("a")], CFG, random.Random(0))
+
+
+def test_load_floor_keeps_low_concurrency_on_the_holder() -> None:
+    # Plain bound with 3 in flight on 2 replicas: ceil(1.25 * 4 / 2) = 3, so the
+    # holder (3 in flight) is over it and the request spills to the idle one.
+    views = [view("holder", 200, inflight=3, queued=300), view("idle", 0, inflight=0)]
+    assert choose_replica(REQ, views, CFG, random.Random(0)).reason == "spill_overload"
+    floored = replace(CFG, load_floor=8)
+    d = choose_replica(REQ, views, floored, random.Random(0))
+    assert (d.replica_id, d.reason) == ("holder", "prefix_hit")
+    # At the floor the bound applies again: 8 + 1 > max(ceil(1.25 * 9 / 2), 8) = 8.
+    views[0] = view("holder", 200, inflight=8, queued=300)
+    assert choose_replica(REQ, views, floored, random.Random(0)).reason == "spill_overload"
+
+
+def test_uncached_weight_ranks_but_does_not_change_predicted_ttft() -> None:
+    # "long" saves 3200 tokens but has 4000 queued: by TTFT alone "short" wins
+    # ((4096 + 0) vs (896 + 4000) tokens); with uncached tokens weighted 4x,
+    # "long" scores 4 * 896 + 4000 = 7584 against 4 * 4096 = 16384 and wins.
+    views = [view("long", 200, inflight=1, queued=4000), view("short", 0, inflight=1, queued=0)]
+    assert choose_replica(REQ, views, CFG, random.Random(0)).replica_id == "short"
+    d = choose_replica(REQ, views, replace(CFG, uncached_weight=4.0), random.Random(0))
+    assert (d.replica_id, d.reason) == ("long", "prefix_hit")
+    assert d.predicted_ttft_s == pytest.approx((896 + 4000) * 1e-4 + 0.002)
+    assert d.costs["short"] == pytest.approx(4096 * 1e-4 + 0.002)

@@ -7,13 +7,14 @@ from array import array
 
 import pytest
 
-from bench.sim.affinity import AffinityRouter, Candidate, Proposal, RouterSettings
+from app.config import RouterConfig
 from bench.sim.event_path import EventPath
 from bench.sim.latency import PRESETS
-from bench.sim.policies import (EXTRA_POLICIES, POLICIES, LlmDPolicy, RouterContext, make_policy, policy_names,
+from bench.sim.policies import (POLICIES, LlmDPolicy, PrefixAffinityPolicy, RouterContext, make_policy, policy_names,
                                 policy_seed)
 from bench.sim.replica import EngineConfig, Replica
 from bench.sim.workload import SimRequest
+from routing.affinity import Candidate
 from routing.block_keys import block_keys
 from routing.events import BlockStored
 
@@ -50,13 +51,13 @@ PROMPT = list(range(100, 100 + 640))
 def test_registry_and_names():
     assert list(POLICIES)[-1] == "prefix_affinity" and len(POLICIES) == 8
     assert policy_names("all") == list(POLICIES)
-    assert policy_names("all,prefix_affinity_proposed")[-1] in EXTRA_POLICIES
+    assert policy_names("pow2,all") == ["pow2"] + [n for n in POLICIES if n != "pow2"]
     with pytest.raises(KeyError, match="round_robin"):
         policy_names("nope")
     assert policy_seed(1, "pow2") == policy_seed(1, "pow2") != policy_seed(1, "random")
 
 
-@pytest.mark.parametrize("name", ["dynamo", "llm_d", "prefix_affinity", "prefix_affinity_proposed"])
+@pytest.mark.parametrize("name", ["dynamo", "llm_d", "prefix_affinity"])
 def test_kv_aware_policies_route_to_the_replica_holding_the_prefix(name):
     p = make_policy(name)
     p.setup(ctx())
@@ -108,7 +109,8 @@ def test_llm_d_min_max_normalization():
 
 
 def test_affinity_router_runs_the_live_sequence():
-    router = AffinityRouter(RouterSettings(), random.Random(0))
+    plain = RouterConfig(load_floor=0, uncached_weight=1.0)
+    router = plain.affinity_router(random.Random(0))
     keys = block_keys(PROMPT, BS)
     stats = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
     two = [Candidate(f"r{i}", stats, 128) for i in range(2)]
@@ -120,27 +122,27 @@ def test_affinity_router_runs_the_live_sequence():
     router.inflight[other] = {99: 2000}  # the other replica has more queued prefill
     d2 = router.choose(keys, len(PROMPT), BS, two, 0.5)
     assert d2.replica_id == d1.replica_id and d2.reason == "prefix_hit"
-    # with four candidates and one request in flight the bounded-load limit is
-    # ceil(1.25 * 2 / 4) = 1: the holder is over it and the request spills
-    # (the low-concurrency effect discussed in docs/benchmarks.md)
+    # with four candidates and one request in flight the plain bounded-load
+    # limit is ceil(1.25 * 2 / 4) = 1: the holder is over it and the request
+    # spills (the low-concurrency effect discussed in docs/benchmarks.md) ...
     four = two + [Candidate(f"r{i}", stats, 128) for i in range(2, 4)]
     d3 = router.choose(keys, len(PROMPT), BS, four, 0.5)
     assert d3.replica_id != d1.replica_id and d3.reason == "spill_overload"
-    proposed = AffinityRouter(RouterSettings(), random.Random(0), Proposal(load_floor=16))
-    proposed.index, proposed.inflight = router.index, router.inflight
+    # ... the shipped load floor keeps it on the holder
+    shipped = RouterConfig().affinity_router(random.Random(0))
+    shipped.index, shipped.inflight = router.index, router.inflight
     router.inflight.update({c.replica_id: {90 + i: 2000} for i, c in enumerate(four[2:])})
-    assert proposed.choose(keys, len(PROMPT), BS, four, 0.5).replica_id == d1.replica_id
+    assert shipped.choose(keys, len(PROMPT), BS, four, 0.5).replica_id == d1.replica_id
     router.completed(d1.replica_id, 1)
     assert router.inflight[d1.replica_id] == {}
 
 
-def test_proposal_releases_queued_prefill_at_first_token():
-    live = AffinityRouter(RouterSettings(), random.Random(0))
-    prop = AffinityRouter(RouterSettings(), random.Random(0), Proposal(release_prefill_at_first_token=True))
-    keys = block_keys(PROMPT, BS)
-    cands = [Candidate("r0", None, 128), Candidate("r1", None, 128)]
-    for router in (live, prop):
-        d = router.choose(keys, len(PROMPT), BS, cands, 0.0)
-        router.routed(7, "r0", keys, len(PROMPT), BS, d, 0.0)
-        router.first_token("r0", 7)
-    assert live.inflight["r0"][7] == len(PROMPT) and prop.inflight["r0"][7] == 0
+def test_sim_policy_releases_queued_prefill_at_first_token():
+    kept, released = (PrefixAffinityPolicy(release_prefill_at_first_token=f) for f in (False, True))
+    for p in (kept, released):
+        p.setup(ctx())
+        req = request(7, PROMPT)
+        r = p.choose(req, [0, 1, 2, 3], 0.0)
+        p.routed(req, r, 0.0)
+        p.first_token(req, r, 0.1)
+        assert p.router.inflight[p.ctx.ids[r]][7] == (len(PROMPT) if p is kept else 0)

@@ -28,7 +28,7 @@ from bench.sim.bounds import cache_hit_rates
 from bench.sim.cluster import ClusterConfig, simulate_policy
 from bench.sim.generators import GENERATORS, generate
 from bench.sim.latency import PRESETS, preset
-from bench.sim.policies import EXTRA_POLICIES, POLICIES, make_policy, policy_names
+from bench.sim.policies import POLICIES, make_policy, policy_names
 from bench.sim.replica import EngineConfig
 from bench.sim.results import acceptance, summarize
 from bench.sim.trace import load_mooncake
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--replicas", type=int, default=8, help="engine replicas (8)")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="arrival-rate multiplier (1.0)")
     ap.add_argument("--policies", default="all",
-                    help=f"all, or a comma list of: {', '.join([*POLICIES, *EXTRA_POLICIES])} ('all' may be in the list)")
+                    help=f"all, or a comma list of: {', '.join(POLICIES)} ('all' may be in the list)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", dest="json_out", help="write the report here")
     ap.add_argument("--plot", dest="plot_out", help="write the TTFT-CDF / hit-rate figure here (PNG)")

@@ -46,10 +46,10 @@ events through :class:`bench.sim.event_path.EventPath` after the event lag.
   ``max-score-picker`` (ties at random).  Engine metrics are scraped every
   50 ms (the Gateway API Inference Extension's default refresh).
 * ``prefix_affinity``: ours, the live router's decision sequence
-  (:mod:`bench.sim.affinity`) with Serve's routing stats refreshed every
-  ``routing_stats_period_s`` (1 s, as ``request_routing_stats_period_s``).
-* ``prefix_affinity_proposed`` (only when named): the same with the changes
-  of :class:`bench.sim.affinity.Proposal` proposed in docs/benchmarks.md.
+  (:class:`routing.affinity.AffinityRouter`, built by
+  ``app.config.RouterConfig.affinity_router`` with the shipped defaults) with
+  Serve's routing stats refreshed every ``routing_stats_period_s`` (1 s, as
+  ``request_routing_stats_period_s``).
 """
 
 from __future__ import annotations
@@ -63,14 +63,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import xxhash
 
-from bench.sim.affinity import AffinityRouter, Candidate, Proposal, RouterSettings
+from app.config import RouterConfig
 from bench.sim.workload import SimRequest
+from routing.affinity import Candidate
 from routing.index import BlockIndex
 
 if TYPE_CHECKING:  # pragma: no cover
     from bench.sim.replica import Replica
 
-__all__ = ["EXTRA_POLICIES", "POLICIES", "Policy", "RouterContext", "make_policy", "policy_names", "policy_seed"]
+__all__ = ["POLICIES", "Policy", "RouterContext", "make_policy", "policy_names", "policy_seed"]
 
 
 def policy_seed(seed: int, name: str) -> int:
@@ -393,17 +394,29 @@ class LlmDPolicy(_IndexedPolicy):
 
 
 class PrefixAffinityPolicy(Policy):
+    """Ours: ``routing.affinity.AffinityRouter`` built by ``app.config.RouterConfig`` (as the live router).
+
+    Args:
+        router_config: the router's knobs (``request_router_kwargs``); None = the
+            shipped defaults.
+        release_prefill_at_first_token: see ``AffinityRouter`` (False only for
+            the ablation of ``bench.sim.ablation``).
+    """
+
     name = "prefix_affinity"
     uses_events = True
 
-    def __init__(self, settings: RouterSettings | None = None, proposal: Proposal | None = None) -> None:
-        self.settings = settings or RouterSettings.from_app_defaults()
-        self.proposal = proposal
+    def __init__(self, router_config: RouterConfig | None = None, release_prefill_at_first_token: bool = True) -> None:
+        self.router_config = router_config or RouterConfig()
+        self.release_prefill_at_first_token = release_prefill_at_first_token
 
     def setup(self, ctx):
         super().setup(ctx)
-        self.router = AffinityRouter(self.settings, ctx.rng, self.proposal)
+        self.router = self.router_config.affinity_router(ctx.rng)
+        self.router.release_prefill_at_first_token = self.release_prefill_at_first_token
         self.scraper = StatsScraper(ctx.replicas, ctx.routing_stats_period_s)
+        self.last_event_at: dict[str, float] = {}  # replica -> when its last event batch was applied
+        self.reasons: dict[str, int] = {}
         self._decision = None
 
     @property
@@ -411,18 +424,21 @@ class PrefixAffinityPolicy(Policy):
         return self.router.index
 
     def on_events_applied(self, r, now):
-        self.router.last_event_at[self.ctx.ids[r]] = now
+        self.last_event_at[self.ctx.ids[r]] = now
 
     def choose(self, req, candidates, now):
         bs = self.ctx.block_size
         keys = req.keys[: req.prompt_len // bs]
         cands = [Candidate(self.ctx.ids[r], self.scraper.get(r, now), self.ctx.max_ongoing_requests) for r in candidates]
-        self._decision = (keys, self.router.choose(keys, req.prompt_len, bs, cands, now))
+        self._decision = (keys, self.router.choose(keys, req.prompt_len, bs, cands, now, self.last_event_at))
         return self.ctx.ids.index(self._decision[1].replica_id)
 
     def routed(self, req, r, now):
         keys, decision = self._decision
-        self.router.routed(req.rid, self.ctx.ids[r], keys, req.prompt_len, self.ctx.block_size, decision, now)
+        uid = self.ctx.ids[r]
+        routed = self.router.routed(req.rid, uid, keys, req.prompt_len, self.ctx.block_size, decision, now,
+                                    self.last_event_at.get(uid))
+        self.reasons[routed.reason] = self.reasons.get(routed.reason, 0) + 1
 
     def first_token(self, req, r, now):
         self.router.first_token(self.ctx.ids[r], req.rid)
@@ -431,21 +447,8 @@ class PrefixAffinityPolicy(Policy):
         self.router.completed(self.ctx.ids[r], req.rid)
 
     def summary(self):
-        return {"reasons": dict(self.router.reasons), "index_stats": self.router.index.stats.as_dict()}
-
-
-class ProposedAffinityPolicy(PrefixAffinityPolicy):
-    """``prefix_affinity`` with the changes proposed in docs/benchmarks.md (see :class:`Proposal`).
-
-    Not part of ``--policies all``: the live router does not have them yet.
-    """
-
-    name = "prefix_affinity_proposed"
-    PROPOSAL = Proposal(release_prefill_at_first_token=True, uncached_weight=4.0, load_floor=16,
-                        no_holder_lowest_cost=True)
-
-    def __init__(self, settings: RouterSettings | None = None, proposal: Proposal | None = None) -> None:
-        super().__init__(settings, proposal or self.PROPOSAL)
+        return {"reasons": dict(self.reasons), "stale_fallbacks": self.router.stale_fallbacks,
+                "index_stats": self.router.index.stats.as_dict()}
 
 
 POLICIES: dict[str, type[Policy]] = {
@@ -455,12 +458,9 @@ POLICIES: dict[str, type[Policy]] = {
 }
 """The compared policies (``--policies all``), in report order (ours last)."""
 
-EXTRA_POLICIES: dict[str, type[Policy]] = {ProposedAffinityPolicy.name: ProposedAffinityPolicy}
-"""Policies run only when named: proposals under evaluation."""
-
 
 def policy_names(spec: str) -> list[str]:
-    """Names from a ``--policies`` value: ``all``, a comma list, or both (``all,prefix_affinity_proposed``).
+    """Names from a ``--policies`` value: ``all``, a comma list, or both (``all,pow2``).
 
     Raises:
         KeyError: an unknown name (the message lists the known ones).
@@ -471,8 +471,8 @@ def policy_names(spec: str) -> list[str]:
             continue
         names = list(POLICIES) if tok == "all" else [tok]
         for nm in names:
-            if nm not in POLICIES and nm not in EXTRA_POLICIES:
-                known = ", ".join([*POLICIES, *EXTRA_POLICIES])
+            if nm not in POLICIES:
+                known = ", ".join(POLICIES)
                 raise KeyError(f"unknown policy {nm!r}; known: {known}")
             if nm not in out:
                 out.append(nm)
@@ -485,7 +485,7 @@ def make_policy(name: str) -> Policy:
     Raises:
         KeyError: unknown policy (the message lists the known ones).
     """
-    cls = POLICIES.get(name) or EXTRA_POLICIES.get(name)
+    cls = POLICIES.get(name)
     if cls is None:
-        raise KeyError(f"unknown policy {name!r}; known: {', '.join([*POLICIES, *EXTRA_POLICIES])}")
+        raise KeyError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
     return cls()

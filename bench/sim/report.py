@@ -13,8 +13,6 @@ import argparse
 import json
 from typing import Any
 
-from bench.sim.policies import EXTRA_POLICIES
-
 __all__ = ["markdown_table"]
 
 
@@ -25,8 +23,7 @@ def _ms(x: float) -> str:
 def markdown_table(report: dict[str, Any]) -> str:
     """The markdown block of one report."""
     pols = report["policies"]
-    compared = [n for n in pols if n not in EXTRA_POLICIES]
-    best = min(compared, key=lambda n: pols[n]["ttft_p90_s"]) if compared else None
+    best = min(pols, key=lambda n: pols[n]["ttft_p90_s"]) if pols else None
     lines = [
         "| policy | hit rate | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) "
         "| output tok/s | load imbalance |",
@@ -36,9 +33,8 @@ def markdown_table(report: dict[str, Any]) -> str:
         p90 = f"{p['ttft_p90_s']:.3f}"
         if n == best:
             p90 = f"**{p90}**"
-        name = f"*{n}*" if n in EXTRA_POLICIES else n
         lines.append(
-            f"| {name} | {p['hit_rate'] * 100:.1f} % | {p['ttft_p50_s']:.3f} | {p90} | {p['ttft_p99_s']:.3f} "
+            f"| {n} | {p['hit_rate'] * 100:.1f} % | {p['ttft_p50_s']:.3f} | {p90} | {p['ttft_p99_s']:.3f} "
             f"| {_ms(p['itl_p50_s'])} | {_ms(p['itl_p99_s'])} | {p['throughput_tok_s']:.0f} | {p['load_imbalance']:.2f} |"
         )
     b = report["bounds"]
@@ -53,15 +49,14 @@ def markdown_table(report: dict[str, Any]) -> str:
     if "rr_p90_over_p50" in acc:
         notes.append(f"round-robin p90/p50 = {acc['rr_p90_over_p50']:.1f}"
                      f" ({'qualifies' if acc['load_qualifies'] else 'below 2'})")
-    for name in ("prefix_affinity", "prefix_affinity_proposed"):
-        if name in acc:
-            a = acc[name]
-            verdict = "lowest p90" if a["lowest_p90"] else f"lowest p90: {a['best_p90_policy']}"
-            notes.append(f"{name}: {verdict}, hit rate {a['hit_over_pooled'] * 100:.0f} % of pooled")
+    if "prefix_affinity" in acc:
+        a = acc["prefix_affinity"]
+        verdict = "lowest p90" if a["lowest_p90"] else f"lowest p90: {a['best_p90_policy']}"
+        notes.append(f"prefix_affinity: {verdict}, hit rate {a['hit_over_pooled'] * 100:.0f} % of pooled")
     w = report["workload"]
     head = (f"{w['requests']} requests ({w.get('rejected', 0)} rejected), "
             f"{w['request_rate_per_s']:.2f} req/s, mean prompt {w['prompt_tokens_mean']:.0f} tokens, "
-            f"mean output {w['output_tokens_mean']:.0f}; simulated in {report['runtime_s']:.0f} s.")
+            f"mean output {w['output_tokens_mean']:.0f}.")
     return "\n".join([head, "", *lines] + (["", "; ".join(notes) + "."] if notes else []))
 
 

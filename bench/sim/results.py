@@ -75,8 +75,8 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
     }
 
 
-def acceptance(policies: dict[str, dict[str, Any]], bounds: dict[str, float], ours: tuple[str, ...] = (
-        "prefix_affinity", "prefix_affinity_proposed")) -> dict[str, Any]:
+def acceptance(policies: dict[str, dict[str, Any]], bounds: dict[str, float],
+               ours: tuple[str, ...] = ("prefix_affinity",)) -> dict[str, Any]:
     """The issue's acceptance test on one run (when round-robin and ours ran).
 
     ``rr_p90_over_p50``: round-robin's p90 over p50 TTFT (the load qualifies at
