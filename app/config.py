@@ -79,6 +79,7 @@ class RouterConfig(_Strict):
     load_factor: float = Field(1.25, ge=1.0, description="bounded load: spill above this multiple of mean load")
     load_floor: int = Field(_POLICY.load_floor, ge=0, description="no replica is over the load bound below this many requests in flight")
     uncached_weight: float = Field(_POLICY.uncached_weight, ge=1.0, description="weight of uncached prompt tokens against queued ones in the score")
+    no_match_choices: int = Field(_POLICY.no_match_choices, ge=0, description="replicas sampled when none holds the prefix: 2 = power of two choices, 0 = all")
     stale_events_s: float = Field(30.0, gt=0.0, description="a replica silent this long with work in flight is routed by load only")
 
     def affinity_router(self, rng: random.Random | None = None) -> AffinityRouter:
@@ -86,7 +87,8 @@ class RouterConfig(_Strict):
 
         The live router and the simulator both build theirs here, so they run the same settings.
         """
-        policy = PolicyConfig(load_floor=self.load_floor, uncached_weight=self.uncached_weight)
+        policy = PolicyConfig(load_floor=self.load_floor, uncached_weight=self.uncached_weight,
+                              no_match_choices=self.no_match_choices)
         return AffinityRouter(BlockIndex(max_blocks=self.max_indexed_blocks), load_factor=self.load_factor,
                               predicted_ttl_s=self.predicted_ttl_s, stale_events_s=self.stale_events_s,
                               rng=rng, policy=policy)

@@ -53,9 +53,14 @@ Rules, in order:
    concurrency the plain bound is one or two requests, far below what an
    engine batches, and would send requests away from their cached prefix for
    no gain (below the floor, queued work is priced by the cost function).
-4. No eligible candidate holds any block of the prompt: power of two choices
-   among the eligible ones, the lower score of two sampled with
-   ``rng`` (``"pow2"``; ``"spill_overload"`` if some ineligible one holds blocks).
+4. No eligible candidate holds any block of the prompt (``"no_match"``;
+   ``"spill_overload"`` if some ineligible one holds blocks): the lowest score
+   among ``no_match_choices`` eligible candidates sampled with ``rng`` (2 =
+   power of two choices, Ray Serve's default), or among all eligible ones
+   (0, the default).  Sampling guards against herding on stale load numbers;
+   the score here rests on the router's own queued-token accounting, which is
+   never stale, and looking at every replica found the idle ones that two
+   samples of eight miss (the simulator's ablation, docs/benchmarks.md).
 5. Otherwise the eligible candidate with the lowest score wins, not
    the longest match.  Reason: ``"prefix_hit"`` if it holds the longest match
    of all candidates, ``"spill_overload"`` if every holder of the longest match
@@ -77,7 +82,7 @@ from typing import Literal
 
 __all__ = ["Decision", "PolicyConfig", "Reason", "ReplicaView", "RoutingRequest", "choose_replica", "cached_tokens"]
 
-Reason = Literal["only_candidate", "prefix_hit", "lower_ttft", "spill_overload", "pow2", "all_saturated"]
+Reason = Literal["only_candidate", "prefix_hit", "lower_ttft", "spill_overload", "no_match", "all_saturated"]
 
 
 @dataclass(slots=True)
@@ -134,6 +139,8 @@ class PolicyConfig:
             load bound (0 = the plain bound).
         uncached_weight: weight (>= 1) of a replica's uncached prompt tokens
             in its score, relative to queued tokens.
+        no_match_choices: candidates sampled when none holds the prefix
+            (2 = power of two choices; 0 = all).
     """
 
     prefill_cost_per_token_s: float = 1e-4
@@ -144,6 +151,7 @@ class PolicyConfig:
     load_epsilon: float = 0.25
     load_floor: int = 16
     uncached_weight: float = 4.0
+    no_match_choices: int = 0
 
 
 @dataclass(slots=True)
@@ -243,9 +251,10 @@ def choose_replica(
         eligible = [i for i in free if candidates[i].inflight_requests < bound] or free
         best_eligible = max([cached[i] for i in eligible])
         if best_eligible == 0:
-            pair = rng.sample(eligible, 2) if len(eligible) > 2 else eligible
-            chosen = _lowest(pair, scores, rng)
-            reason = "pow2" if longest == 0 else "spill_overload"
+            d = config.no_match_choices
+            pool = rng.sample(eligible, d) if 0 < d < len(eligible) else eligible
+            chosen = _lowest(pool, scores, rng)
+            reason = "no_match" if longest == 0 else "spill_overload"
         else:
             chosen = _lowest(eligible, scores, rng)
             if cached[chosen] == longest:

@@ -35,11 +35,11 @@ def test_routes_to_the_holder_and_predicts_for_the_burst():
     router.first_token("a", "r1")  # prefilled: still in flight, no queued prefill left
     assert router.inflight["a"] == {"r1": 0}
     router.first_token("a", "unknown")  # ignored
-    # A new prefix: no holder, so power of two choices on load picks the idle "b".
+    # A new prefix: no holder, so the lowest cost on load picks the idle "b".
     other = list(range(5000, 5000 + 32 * BS))
     k2 = block_keys(other, BS)
     d2 = router.choose(k2, len(other), BS, candidates("a", "b"), now=1.1)
-    assert d2.replica_id == "b" and d2.reason == "pow2"
+    assert d2.replica_id == "b" and d2.reason == "no_match"
     router.routed("r2", "b", k2, len(other), BS, d2, now=1.1)
     # Blind window: before any event, "b" counts as holding the prefix, until the TTL ends.
     assert index.match(k2, ("a", "b"), 1.2) == {"a": 0, "b": 32}

@@ -19,6 +19,7 @@ CFG = PolicyConfig(
     load_epsilon=0.25,
     load_floor=0,
     uncached_weight=1.0,
+    no_match_choices=2,
 )
 REQ = RoutingRequest(prompt_tokens=4096, block_size=16)
 
@@ -110,7 +111,7 @@ def test_pow2_when_nothing_matches() -> None:
     picks = Counter()
     for seed in range(400):
         d = choose_replica(REQ, views, CFG, random.Random(seed))
-        assert d.reason == "pow2" and d.matched_tokens == 0
+        assert d.reason == "no_match" and d.matched_tokens == 0
         picks[d.replica_id] += 1
     # "b" is over the load bound (3 + 1 > ceil(1.25 * 7 / 4) = 3), so two of
     # a, c, d are sampled and the lower predicted TTFT wins: "d" whenever it is
@@ -170,3 +171,13 @@ def test_uncached_weight_ranks_but_does_not_change_predicted_ttft() -> None:
     assert (d.replica_id, d.reason) == ("long", "prefix_hit")
     assert d.predicted_ttft_s == pytest.approx((896 + 4000) * 1e-4 + 0.002)
     assert d.costs["short"] == pytest.approx(4096 * 1e-4 + 0.002)
+
+
+def test_no_match_compares_every_eligible_replica_by_default() -> None:
+    # With all candidates compared, the cheapest eligible one always wins: "d"
+    # (idle), never "b" (over the load bound).
+    views = [view("a", 0, 1, queued=500), view("b", 0, 3), view("c", 0, 2, queued=800), view("d", 0, 0)]
+    all_cfg = replace(CFG, no_match_choices=0)
+    picks = Counter(choose_replica(REQ, views, all_cfg, random.Random(s)).replica_id for s in range(50))
+    assert picks == Counter({"d": 50})
+    assert PolicyConfig().no_match_choices == 0

@@ -3,8 +3,8 @@
 ``python -m bench.sim.ablation --workload chat --rate-scale 1`` (same workload
 and cluster options as ``python -m bench.sim``) runs ``prefix_affinity`` with
 its knobs switched on one after the other, from the plain policy (bounded load
-with no floor, uncached tokens weighted like queued ones, queued prefill kept
-until the request completes) to the shipped ``app.config.RouterConfig``
+with no floor, uncached tokens weighted like queued ones, power of two choices
+when no replica holds the prefix, queued prefill kept until the request completes) to the shipped ``app.config.RouterConfig``
 defaults, and prints a markdown table: hit rate, TTFT p50 / p90 / p99, ITL p99.
 """
 
@@ -24,12 +24,15 @@ __all__ = ["steps", "main"]
 def steps() -> list[tuple[str, RouterConfig, bool]]:
     """(label, router knobs, release queued prefill at first token), cumulative; the last is the shipped default."""
     d = RouterConfig()
-    plain = d.model_copy(update={"load_floor": 0, "uncached_weight": 1.0})
+    plain = d.model_copy(update={"load_floor": 0, "uncached_weight": 1.0, "no_match_choices": 2})
+    floor = plain.model_copy(update={"load_floor": d.load_floor})
+    weight = floor.model_copy(update={"uncached_weight": d.uncached_weight})
     return [
-        ("plain: no load floor, uncached weight 1, prefill queued until completion", plain, False),
+        ("plain: no load floor, uncached weight 1, pow2 on no match, prefill queued until completion", plain, False),
         ("+ release queued prefill at first token", plain, True),
-        (f"+ bounded-load floor {d.load_floor}", plain.model_copy(update={"load_floor": d.load_floor}), True),
-        (f"+ uncached weight {d.uncached_weight:g} (= shipped defaults)", d, True),
+        (f"+ bounded-load floor {d.load_floor}", floor, True),
+        (f"+ uncached weight {d.uncached_weight:g}", weight, True),
+        ("+ all replicas compared on no match (= shipped defaults)", d, True),
     ]
 
 

@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Any
 
+from app.config import RouterConfig
 from bench.sim.bounds import cache_hit_rates
 from bench.sim.cluster import ClusterConfig, simulate_policy
 from bench.sim.generators import GENERATORS, generate
@@ -71,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="measured batch-1 decode step at 1k context, ms (replaces the bandwidth efficiency)")
     ap.add_argument("--step-overhead-ms", type=float, default=None, help="measured fixed cost per engine step, ms")
     ap.add_argument("--jobs", type=int, default=1, help="policies simulated in parallel processes (1)")
+    ap.add_argument("--update", metavar="REPORT",
+                    help="re-run only --policies and replace them in this earlier JSON report of the same "
+                         "workload and cluster options (e.g. after a router change); written to --json, "
+                         "default REPORT itself")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
@@ -132,6 +137,7 @@ def _cluster(args: argparse.Namespace) -> tuple[ClusterConfig, dict[str, Any]]:
         "step_overhead_s": latency.step_overhead_s,
         "rate_scale": args.rate_scale,
         "seed": args.seed,
+        "router": RouterConfig().model_dump(),
     }
     return cfg, info
 
@@ -158,8 +164,36 @@ def _worker(name: str) -> tuple[str, dict[str, Any]]:
     return name, summarize(run_)
 
 
+def _earlier(path: str, info: dict[str, Any], wl: Workload) -> dict[str, Any]:
+    """The report of ``--update``, checked to be of the same workload and cluster options.
+
+    Raises:
+        SystemExit: unreadable, or made with other options or another workload.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--update {path}: {exc}") from None
+    mine = {k: v for k, v in info.items() if k != "router"}
+    theirs = {k: v for k, v in old.get("config", {}).items() if k != "router"}
+    if mine != theirs:
+        diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        raise SystemExit(f"--update {path}: made with other options ({', '.join(diff)} differ)")
+    if old.get("workload", {}).get("name") != wl.name or any(
+            old["workload"].get(k) != v for k, v in wl.stats().items()):
+        raise SystemExit(f"--update {path}: made from another workload")
+    return old
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Build the workload and cluster from ``args``, run every policy and the bounds."""
+    """Build the workload and cluster from ``args``, run every policy and the bounds.
+
+    With ``args.update``: run only the named policies and merge them into that
+    earlier report (the other policies, their order and the bounds are kept;
+    ``updated`` lists what was re-run, with the router knobs of this run;
+    policies the simulator no longer has are dropped).
+    """
     t0 = time.perf_counter()
     try:
         names = policy_names(args.policies)
@@ -167,6 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(str(exc.args[0])) from None
     cfg, info = _cluster(args)
     wl = _load(args, cfg.engine.max_model_len)
+    earlier = _earlier(args.update, info, wl) if getattr(args, "update", None) else None
     show = not args.no_progress
     wl.prepare(cfg.engine.block_size, progress=show)
     total = len(wl) * len(names)
@@ -201,6 +236,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bar.update(total - bar.n)
     if bar is not None:
         bar.close()
+    if earlier is not None:
+        dropped = [n for n in earlier["policies"] if n not in POLICIES]  # no longer in the simulator
+        merged = {n: p for n, p in earlier["policies"].items() if n in POLICIES}
+        merged.update(results)
+        updated = [*earlier.get("updated", []), {"policies": names, "dropped": dropped, "router": info["router"],
+                                                  "runtime_s": round(time.perf_counter() - t0, 2)}]
+        return {**earlier, "policies": merged, "updated": updated,
+                "acceptance": acceptance(merged, earlier["bounds"])}
     pooled = args.replicas * (cfg.engine.num_blocks - 1)
     bounds = cache_hit_rates(wl, cfg.engine.block_size, pooled, cfg.engine.max_model_len)
     return {
@@ -239,6 +282,8 @@ def format_table(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     report = run(args)
+    if args.update and not args.json_out:
+        args.json_out = args.update
     if args.json_out:
         os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
         with open(args.json_out, "w", encoding="utf-8") as f:
