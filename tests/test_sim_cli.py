@@ -66,3 +66,46 @@ def test_module_entry_point_and_unknown_policy():
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode != 0 and "unknown policy" in (proc.stderr + proc.stdout)
+
+
+def test_update_replaces_only_the_named_policies(report, tmp_path):
+    rep, _ = report
+    earlier = tmp_path / "earlier.json"
+    stale = json.loads(json.dumps(rep))
+    stale["policies"]["prefix_affinity"]["ttft_p90_s"] = 99.0  # as if made by an older router
+    stale["policies"]["retired_policy"] = dict(stale["policies"]["pow2"])
+    earlier.write_text(json.dumps(stale))
+    assert main(TINY + ["--policies", "prefix_affinity", "--seed", "7", "--update", str(earlier)]) == 0
+    merged = json.loads(earlier.read_text())
+    assert list(merged["policies"]) == list(POLICIES)  # order kept, the retired policy dropped
+    for name in POLICIES:
+        a, b = dict(rep["policies"][name]), dict(merged["policies"][name])
+        a.pop("sim_wall_s"), b.pop("sim_wall_s")
+        assert a == b, name  # the re-run reproduces the original run; the others are kept
+    assert merged["bounds"] == rep["bounds"]
+    assert merged["updated"][-1]["policies"] == ["prefix_affinity"]
+    assert merged["updated"][-1]["dropped"] == ["retired_policy"]
+    # another seed (so other options) is refused, and the report is left as it was
+    with pytest.raises(SystemExit, match="seed"):
+        main(TINY + ["--policies", "prefix_affinity", "--seed", "8", "--update", str(earlier)])
+    assert json.loads(earlier.read_text()) == merged
+
+
+def test_summary_table_checks_done_when(report):
+    from bench.sim.report import summary_table
+
+    rep, _ = report
+    rep = json.loads(json.dumps(rep))
+    pols = rep["policies"]
+    for name, p in pols.items():  # round-robin p90 = 3 x p50; ours lowest p90 at 95 % of the pooled bound
+        p["ttft_p50_s"], p["ttft_p90_s"] = 1.0, 3.0 if name != "prefix_affinity" else 0.5
+    pols["dynamo"]["ttft_p90_s"] = 2.0
+    rep["bounds"]["pooled_cache_hit_rate"] = pols["prefix_affinity"]["hit_rate"] / 0.95
+    from bench.sim.results import acceptance
+
+    rep["acceptance"] = acceptance(pols, rep["bounds"])
+    row = summary_table([rep]).splitlines()[-1]
+    assert row == "| system_prompts | x0.5 | 3.0 | dynamo (2.000) | 0.500 | 95 % | met |"
+    pols["prefix_affinity"]["ttft_p90_s"] = 2.5
+    rep["acceptance"] = acceptance(pols, rep["bounds"])
+    assert summary_table([rep]).endswith("| 2.500 | 95 % | **not met** |")

@@ -4,7 +4,8 @@
 report of ``python -m bench.sim``, a table of every policy (hit rate, TTFT
 p50/p90/p99, ITL p50/p99, throughput, load imbalance), the lowest p90 in bold,
 the bounds and the acceptance check of the issue (see
-:func:`bench.sim.results.acceptance`).
+:func:`bench.sim.results.acceptance`); with ``--summary``, one row per report
+with that check.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 import json
 from typing import Any
 
-__all__ = ["markdown_table"]
+__all__ = ["markdown_table", "summary_table"]
 
 
 def _ms(x: float) -> str:
@@ -60,10 +61,46 @@ def markdown_table(report: dict[str, Any]) -> str:
     return "\n".join([head, "", *lines] + (["", "; ".join(notes) + "."] if notes else []))
 
 
+def summary_table(reports: list[dict[str, Any]]) -> str:
+    """One markdown row per report: the issue's done-when check for ``prefix_affinity``.
+
+    Columns: workload, rate scale, round-robin p90/p50 TTFT (the load qualifies
+    at >= 2), the other policy with the lowest p90 and its p90, ours' p90, ours'
+    hit rate over the pooled-cache bound, and the verdict.
+    """
+    lines = ["| workload | rate | RR p90/p50 | best other policy (p90 s) | prefix_affinity p90 (s) "
+             "| hit rate / pooled bound | done-when |", "|---|---:|---:|---|---:|---:|---|"]
+    for rep in reports:
+        pols, acc = rep["policies"], rep.get("acceptance", {})
+        ours = pols.get("prefix_affinity")
+        if ours is None or "rr_p90_over_p50" not in acc:
+            continue
+        other = min((n for n in pols if n != "prefix_affinity"), key=lambda n: pols[n]["ttft_p90_s"])
+        a = acc["prefix_affinity"]
+        if not acc["load_qualifies"]:
+            verdict = "load below the bar"
+        elif a["lowest_p90"] and a["hit_ok"]:
+            verdict = "met"
+        else:
+            verdict = "**not met**"
+        lines.append(f"| {rep['workload']['name']} | x{rep['config']['rate_scale']:g} | {acc['rr_p90_over_p50']:.1f} "
+                     f"| {other} ({pols[other]['ttft_p90_s']:.3f}) | {ours['ttft_p90_s']:.3f} "
+                     f"| {a['hit_over_pooled'] * 100:.0f} % | {verdict} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("reports", nargs="+", help="JSON reports of python -m bench.sim")
+    ap.add_argument("--summary", action="store_true", help="one row per report: the done-when check")
     args = ap.parse_args(argv)
+    if args.summary:
+        reps = []
+        for path in args.reports:
+            with open(path, encoding="utf-8") as f:
+                reps.append(json.load(f))
+        print(summary_table(reps))
+        return 0
     for path in args.reports:
         with open(path, encoding="utf-8") as f:
             rep = json.load(f)
