@@ -63,7 +63,7 @@ ab: install model
 
 # Cluster simulator on the shared Mooncake trace, every policy (see docs/benchmarks.md).
 sim: install
-	$(PY) -m bench.sim --trace ../shared/workloads/mooncake_synthetic_trace.jsonl --replicas 8 --policies all \
+	$(PY) -m bench.sim --trace ../shared/workloads/mooncake_synthetic_trace.jsonl --replicas 8 --rate-scale 0.35 --policies all --jobs 2 \
 	  --json reports/sim/mooncake.json --plot reports/sim/mooncake.png
 
 # 5-minute soak of the default CPU config (serve run on 127.0.0.1:8000): 16 streams, mixed workloads.
