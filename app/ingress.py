@@ -80,6 +80,20 @@ def _sse(obj: Any) -> str:
     return f"data: {data}\n\n"
 
 
+def _tell_routers_first_token(request_id: str) -> None:
+    """Tell this process's prefix-affinity routers that ``request_id`` has its first output.
+
+    Router bookkeeping must never fail a request: errors are logged and counted
+    (``prefix_serve_router_fallbacks_total{cause="first_token"}``).
+    """
+    try:
+        for router in list(metrics.ROUTERS):
+            router.first_token(request_id)
+    except Exception:
+        metrics.FALLBACKS.labels(cause="first_token").inc()
+        logger.exception("router first-token bookkeeping failed")
+
+
 def _caused_by_replica_loss(e: BaseException) -> bool:
     seen = 0
     while e is not None and seen < 5:
@@ -480,8 +494,7 @@ class OpenAIIngress:
         async for out in self._generate_with_retry(ereq):
             now = time.perf_counter()
             if last is None:  # the engine answered: the prompt is prefilled
-                for router in list(metrics.ROUTERS):
-                    router.first_token(ereq.request_id)
+                _tell_routers_first_token(ereq.request_id)
             if out.token_ids:
                 if previous is None:
                     metrics.TTFT_SECONDS.observe(now - started)

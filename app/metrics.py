@@ -13,7 +13,7 @@ import weakref
 from prometheus_client import Counter, Gauge, Histogram
 
 DECISIONS = Counter("prefix_serve_router_decisions", "Routing decisions by reason", ["reason"])
-FALLBACKS = Counter("prefix_serve_router_fallbacks", "Routing calls that fell back to load-only order", ["cause"])
+FALLBACKS = Counter("prefix_serve_router_fallbacks", "Routing calls that fell back to load-only order, and router bookkeeping errors, by cause", ["cause"])
 PROMPT_TOKENS = Counter("prefix_serve_router_prompt_tokens", "Prompt tokens of routed requests")
 PREDICTED_CACHED = Counter("prefix_serve_router_predicted_cached_tokens", "Prompt tokens predicted to hit the chosen replica's prefix cache")
 ROUTING_SECONDS = Histogram(

@@ -10,9 +10,13 @@ engines' KV events (``routing.subscriber``), and for each request:
 2-3. hands them to ``routing.affinity.AffinityRouter`` (free of Ray, the same code
    the simulator runs): index lookup, replica views from its in-flight accounting
    and the engines' routing stats, and ``routing.policy.choose_replica``, which
-   picks the lowest predicted TTFT under bounded load;
-4. returns ``[[chosen], [the rest, cheapest first]]`` so Serve falls through to the
-   next rank if the chosen replica's queue is full.
+   picks the lowest score (predicted TTFT plus weighted uncached prompt tokens)
+   under bounded load;
+4. returns ``[[chosen], [the rest, lowest score first]]`` so Serve falls through to
+   the next rank if the chosen replica's queue is full.
+
+The ingress calls ``first_token`` when a request's first output arrives: its
+prefill then leaves the replica's queued work.
 
 When the request is sent, its blocks are recorded on that replica as predicted
 (blind window, ``predicted_ttl_s``) until the engine's BlockStored confirms them.
@@ -49,7 +53,7 @@ _MAX_PENDING = 100_000
 
 
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
-    """Routes each request to the replica with the lowest predicted TTFT (see module doc)."""
+    """Routes each request to the replica with the lowest score under bounded load (see module doc)."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         self.cfg = RouterConfig.model_validate(kwargs)
@@ -62,6 +66,11 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()  # EngineRequest.request_id -> decision
         self._chosen_at: dict[str, int] = {}  # internal id -> routing start (ns), for the routing span
         self._awaiting_first: OrderedDict[str, tuple[str, str]] = OrderedDict()  # request id -> (replica, internal id)
+        self._request_of: dict[str, str] = {}  # internal id -> request id, while awaiting the first output
+        # first_token (ingress event loop) and on_request_completed (router loop
+        # thread) both touch a request's in-flight entry: serialise them so a
+        # late first_token cannot re-create a completed request's entry.
+        self._inflight_lock = threading.Lock()
         self._timings: deque[tuple[float, float]] = deque(maxlen=200_000)  # (monotonic s, decision s)
         metrics.ROUTERS.add(self)
 
@@ -144,7 +153,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             metrics.FALLBACKS.labels(cause="stale_events").inc(self.core.stale_fallbacks - stale_before)
         self._pending[internal_id] = (keys, prompt_len, block_size, decision)
         by_uid = dict(zip(uids, candidates))
-        rest = sorted((u for u in uids if u != decision.replica_id), key=lambda u: decision.costs.get(u, 0.0))
+        rest = sorted((u for u in uids if u != decision.replica_id), key=lambda u: decision.scores.get(u, 0.0))
         elapsed = time.perf_counter() - t0
         metrics.ROUTING_SECONDS.observe(elapsed)
         self._timings.append((time.monotonic(), elapsed))
@@ -181,8 +190,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         metrics.PREDICTED_CACHED.inc(predicted)
         request = pending_request.args[0]
         self._awaiting_first[request.request_id] = (uid, internal_id)
+        self._request_of[internal_id] = request.request_id
         while len(self._awaiting_first) > _MAX_PENDING:
-            self._awaiting_first.popitem(last=False)
+            self._request_of.pop(self._awaiting_first.popitem(last=False)[1][1], None)
         self.decisions[request.request_id] = {
             "replica_id": uid,
             "reason": reason,
@@ -222,13 +232,18 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         (``AffinityRouter.first_token``). Unknown ids (routed by another
         router, or long gone) are ignored.
         """
-        entry = self._awaiting_first.pop(request_id, None)
-        if entry is not None:
-            with self.lock:
+        with self._inflight_lock:
+            entry = self._awaiting_first.pop(request_id, None)
+            if entry is not None:
+                self._request_of.pop(entry[1], None)
                 self.core.first_token(*entry)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        self.core.completed(replica_id.unique_id, internal_request_id)
+        with self._inflight_lock:
+            self.core.completed(replica_id.unique_id, internal_request_id)
+            request_id = self._request_of.pop(internal_request_id, None)
+            if request_id is not None:  # no first output came (error, cancelled, retried under a new id)
+                self._awaiting_first.pop(request_id, None)
         self._pending.pop(internal_request_id, None)
         self._chosen_at.pop(internal_request_id, None)
 

@@ -71,7 +71,7 @@ class AffinityRouter:
             passed over while another is within it (``PolicyConfig.load_epsilon``).
         predicted_ttl_s: blind-window lifetime of predicted blocks, seconds.
         stale_events_s: a replica owing events this long is routed by load only.
-        rng: tie-breaks and power-of-two sampling.
+        rng: tie-breaks, and sampling when ``policy.no_match_choices`` > 0.
         policy: cost-function knobs (``load_epsilon`` is set from ``load_factor``).
         release_prefill_at_first_token: ``first_token`` drops a request's
             uncached prompt tokens from its replica's queued prefill work (its

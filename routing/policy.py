@@ -1,4 +1,4 @@
-"""Routing policy: choose the replica with the lowest predicted TTFT, under bounded load.
+"""Routing policy: choose the replica with the lowest score (predicted TTFT + weighted uncached work), under bounded load.
 
 A pure function of index answers and load numbers (no Ray, no I/O, no clock),
 so the request router, the simulator and the tests run the same code.
@@ -43,7 +43,7 @@ Rules, in order:
 1. One candidate: take it (``"only_candidate"``).
 2. Saturated replicas (``inflight_requests >= max_ongoing_requests``) are not
    eligible while any candidate is not saturated.  All saturated: the lowest
-   cost wins (``"all_saturated"``); the caller may prefer to back off.
+   score wins (``"all_saturated"``); the caller may prefer to back off.
 3. Bounded load (consistent hashing with bounded loads): with ``L`` the sum of
    the candidates' ``inflight_requests`` and ``n`` candidates, a replica whose
    ``inflight_requests + 1 > max(ceil((1 + load_epsilon) * (L + 1) / n), load_floor)``
@@ -141,6 +141,10 @@ class PolicyConfig:
             in its score, relative to queued tokens.
         no_match_choices: candidates sampled when none holds the prefix
             (2 = power of two choices; 0 = all).
+
+    Raises:
+        ValueError: ``uncached_weight`` below 1, or a negative ``load_floor``,
+            ``no_match_choices`` or ``load_epsilon``.
     """
 
     prefill_cost_per_token_s: float = 1e-4
@@ -152,6 +156,12 @@ class PolicyConfig:
     load_floor: int = 16
     uncached_weight: float = 4.0
     no_match_choices: int = 0
+
+    def __post_init__(self) -> None:
+        if self.uncached_weight < 1.0:
+            raise ValueError(f"uncached_weight must be >= 1, got {self.uncached_weight}")
+        if self.load_floor < 0 or self.no_match_choices < 0 or self.load_epsilon < 0:
+            raise ValueError(f"load_floor, no_match_choices and load_epsilon must be >= 0: {self}")
 
 
 @dataclass(slots=True)
@@ -167,6 +177,8 @@ class Decision:
             candidate would have served (0 if none or no other candidate).
         predicted_ttft_s: predicted TTFT on the chosen replica, seconds.
         costs: predicted TTFT per candidate, seconds.
+        scores: the ranking score per candidate (see the module docstring),
+            seconds; lower is better (the caller's fallback order).
     """
 
     replica_id: str
@@ -175,6 +187,7 @@ class Decision:
     best_alternative_matched_tokens: int
     predicted_ttft_s: float
     costs: dict[str, float]
+    scores: dict[str, float]
 
 
 def cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
@@ -271,4 +284,5 @@ def choose_replica(
         best_alternative_matched_tokens=max(others) if others else 0,
         predicted_ttft_s=costs[chosen],
         costs={v.replica_id: cost for v, cost in zip(candidates, costs)},
+        scores={v.replica_id: score for v, score in zip(candidates, scores)},
     )

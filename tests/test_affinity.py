@@ -45,6 +45,8 @@ def test_routes_to_the_holder_and_predicts_for_the_burst():
     assert index.match(k2, ("a", "b"), 1.2) == {"a": 0, "b": 32}
     router.completed("b", "r2")
     router.completed("a", "r1")
+    router.first_token("a", "r1")  # late: must not bring the completed request back
+    assert router.inflight["a"] == {}
     d3 = router.choose(k2, len(other), BS, candidates("a", "b"), now=1.3)
     assert d3.replica_id == "b" and d3.matched_tokens == (len(other) - 1) // BS * BS
     assert index.match(k2, ("a", "b"), 1.1 + router.predicted_ttl_s + 0.01) == {"a": 0, "b": 0}

@@ -300,3 +300,26 @@ def test_real_vllm_block_pool_end_to_end() -> None:
     flush(pool)
     assert idx.match(keys, ["r0"], 0.0) == {"r0": 0}
     assert idx.stats.replica_clears == 1 and idx.num_replica_blocks == 0
+
+
+@pytest.mark.parametrize("held", [(100, 32, 64), (31, 33, 0), (65, 65, 96), (100, 100, 100), (1, 0, 63)])
+def test_match_across_walk_chunks(held) -> None:
+    """Drop points before, at and after the walk's 32-block chunk boundaries; keys as list or array('Q')."""
+    from array import array
+
+    rng = random.Random(sum(held))
+    tokens = [rng.randrange(1000) for _ in range(100 * BS)]
+    idx = BlockIndex(block_size=BS)
+    for j, (rid, n) in enumerate(zip(R, held)):
+        if n:  # engine block hashes: 1000 * (j + 1) + block number
+            idx.apply_event(rid, stored([1000 * (j + 1) + i for i in range(n)], tokens[: n * BS]))
+    keys = block_keys(tokens + [7] * 3, BS)
+    assert len(keys) == 100
+    want = dict(zip(R, held))
+    assert idx.match(keys, R, 0.0) == want
+    assert idx.match(array("Q", keys), R, 0.0) == want
+    # A hole: r0 loses its block 70 (if it held it) and then holds only blocks 0-69.
+    if held[0] > 70:
+        idx.apply_event("r0", removed(1070))
+        assert idx.match(keys, R, 0.0)["r0"] == 70
+    assert idx.match(keys[:0], R, 0.0) == dict.fromkeys(R, 0)

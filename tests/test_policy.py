@@ -180,4 +180,14 @@ def test_no_match_compares_every_eligible_replica_by_default() -> None:
     all_cfg = replace(CFG, no_match_choices=0)
     picks = Counter(choose_replica(REQ, views, all_cfg, random.Random(s)).replica_id for s in range(50))
     assert picks == Counter({"d": 50})
-    assert PolicyConfig().no_match_choices == 0
+
+
+def test_scores_rank_fallbacks_and_config_is_checked() -> None:
+    views = [view("long", 200, inflight=1, queued=4000), view("short", 0, inflight=1, queued=0)]
+    d = choose_replica(REQ, views, replace(CFG, uncached_weight=4.0), random.Random(0))
+    # score = TTFT + 3 x uncached x per-token cost; the caller orders its fallbacks by it
+    assert d.scores["long"] == pytest.approx(d.costs["long"] + 3 * 896 * 1e-4)
+    assert d.scores["short"] == pytest.approx(d.costs["short"] + 3 * 4096 * 1e-4)
+    for bad in ({"uncached_weight": 0.5}, {"load_floor": -1}, {"no_match_choices": -2}):
+        with pytest.raises(ValueError):
+            PolicyConfig(**bad)

@@ -85,9 +85,13 @@ def test_update_replaces_only_the_named_policies(report, tmp_path):
     assert merged["bounds"] == rep["bounds"]
     assert merged["updated"][-1]["policies"] == ["prefix_affinity"]
     assert merged["updated"][-1]["dropped"] == ["retired_policy"]
-    # another seed (so other options) is refused, and the report is left as it was
+    assert merged["config"]["router"] == rep["config"]["router"]
+    # another seed (so other options) or another workload is refused, and the report is left as it was
     with pytest.raises(SystemExit, match="seed"):
         main(TINY + ["--policies", "prefix_affinity", "--seed", "8", "--update", str(earlier)])
+    other = [a if a != "system_prompts" else "chat" for a in TINY]
+    with pytest.raises(SystemExit, match="another workload"):
+        main(other + ["--policies", "prefix_affinity", "--seed", "7", "--update", str(earlier)])
     assert json.loads(earlier.read_text()) == merged
 
 
@@ -109,3 +113,17 @@ def test_summary_table_checks_done_when(report):
     pols["prefix_affinity"]["ttft_p90_s"] = 2.5
     rep["acceptance"] = acceptance(pols, rep["bounds"])
     assert summary_table([rep]).endswith("| 2.500 | 95 % | **not met** |")
+    pols["round_robin"]["ttft_p90_s"] = 1.5  # round-robin does not queue: the load does not qualify
+    rep["acceptance"] = acceptance(pols, rep["bounds"])
+    assert summary_table([rep]).endswith("| load below the bar |")
+    del pols["round_robin"]  # nothing to judge against: no row
+    rep["acceptance"] = acceptance(pols, rep["bounds"])
+    assert len(summary_table([rep]).splitlines()) == 2
+
+
+def test_ablation_refuses_options_it_would_ignore(capsys):
+    from bench.sim.ablation import main as ablation_main
+
+    with pytest.raises(SystemExit):
+        ablation_main(TINY + ["--json", "x.json"])
+    assert "--json" in capsys.readouterr().err

@@ -37,7 +37,14 @@ def steps() -> list[tuple[str, RouterConfig, bool]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    parser.prog = "python -m bench.sim.ablation"
+    args = parser.parse_args(argv)
+    ignored = [flag for flag, on in (("--policies", args.policies != "all"), ("--json", args.json_out),
+                                     ("--plot", args.plot_out), ("--update", args.update), ("--jobs", args.jobs != 1))
+               if on]
+    if ignored:
+        parser.error(f"{', '.join(ignored)}: not used by the ablation (it runs prefix_affinity only and prints a table)")
     cfg, _ = _cluster(args)
     wl = _load(args, cfg.engine.max_model_len)
     wl.prepare(cfg.engine.block_size)

@@ -190,9 +190,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build the workload and cluster from ``args``, run every policy and the bounds.
 
     With ``args.update``: run only the named policies and merge them into that
-    earlier report (the other policies, their order and the bounds are kept;
-    ``updated`` lists what was re-run, with the router knobs of this run;
-    policies the simulator no longer has are dropped).
+    earlier report (the other policies and the bounds are kept, policies in
+    report order; ``config.router`` becomes this run's router knobs and
+    ``updated`` lists what was re-run with them; policies the simulator no
+    longer has are dropped).
     """
     t0 = time.perf_counter()
     try:
@@ -238,12 +239,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bar.close()
     if earlier is not None:
         dropped = [n for n in earlier["policies"] if n not in POLICIES]  # no longer in the simulator
-        merged = {n: p for n, p in earlier["policies"].items() if n in POLICIES}
-        merged.update(results)
+        runs = {**earlier["policies"], **results}
+        merged = {n: runs[n] for n in POLICIES if n in runs}  # report order, ours last
         updated = [*earlier.get("updated", []), {"policies": names, "dropped": dropped, "router": info["router"],
                                                   "runtime_s": round(time.perf_counter() - t0, 2)}]
-        return {**earlier, "policies": merged, "updated": updated,
-                "acceptance": acceptance(merged, earlier["bounds"])}
+        return {**earlier, "config": {**earlier["config"], "router": info["router"]}, "policies": merged,
+                "updated": updated, "acceptance": acceptance(merged, earlier["bounds"])}
     pooled = args.replicas * (cfg.engine.num_blocks - 1)
     bounds = cache_hit_rates(wl, cfg.engine.block_size, pooled, cfg.engine.max_model_len)
     return {
