@@ -64,7 +64,6 @@ from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedB
 __all__ = ["BlockIndex", "IndexStats"]
 
 _MAX_INTERNED_MASKS = 1 << 16
-_WALK_CHUNK = 32  # blocks whose holder masks ``match`` fetches at once
 _NO_MASK = object()  # sentinel: no mask seen yet in a lookup walk
 _LITTLE_ENDIAN = sys.byteorder == "little"  # array('I') bytes are then the keys' uint32-LE
 
@@ -467,44 +466,34 @@ class BlockIndex:
         if not alive:
             return result
         # One pass over the blocks; ``alive`` = candidates holding every block
-        # so far; a candidate that drops out at block i holds i blocks.  The
-        # holder masks are fetched a chunk at a time in C (``map``), and a chunk
-        # whose blocks all have the mask of the block before it (a run held by
-        # the same replicas: the common case) is passed with one C ``count``;
-        # only chunks where the holders change are walked in Python.
+        # so far.  Runs of blocks held by the same replicas share one interned
+        # mask object, so most blocks cost a dict lookup and an identity test.
+        # A candidate that drops out at block i holds i blocks.
         get_mask = self._holders.get
         last: object = _NO_MASK
-        n = len(keys)
-        start = n
-        pos = 0
-        while pos < n:
-            end = pos + _WALK_CHUNK
-            masks = list(map(get_mask, keys[pos:end]))
-            if masks.count(last) == len(masks):
-                pos = end
+        start = 0
+        for key in keys:
+            mask = get_mask(key)
+            if mask is last:
                 continue
-            for i, mask in enumerate(masks, pos):
-                if mask is last or mask == last:
-                    continue
-                last = mask
-                held = mask & alive if mask is not None else 0
-                if held != alive:
-                    dropped = alive ^ held
-                    while dropped:
-                        low = dropped & -dropped
-                        result[rid_of_bit[low]] = i
-                        dropped ^= low
-                    alive = held
-                    if not alive:
-                        start = i
-                        break
-            if not alive:
-                break
-            pos = end
-        while alive:  # held every block
-            low = alive & -alive
-            result[rid_of_bit[low]] = n
-            alive ^= low
+            last = mask
+            held = mask & alive if mask is not None else 0
+            if held != alive:
+                start = keys.index(key, start)  # C scan; only at the few drop points
+                dropped = alive ^ held
+                while dropped:
+                    low = dropped & -dropped
+                    result[rid_of_bit[low]] = start
+                    dropped ^= low
+                alive = held
+                if not alive:
+                    break
+        else:
+            start = len(keys)
+            while alive:
+                low = alive & -alive
+                result[rid_of_bit[low]] = start
+                alive ^= low
         if start:
             self._referenced.update(islice(keys, start))
         return result
