@@ -241,8 +241,9 @@ class OpenAIIngress:
         )
 
         with self._span("chat", trace_headers) as span:
-            req = self._parse_chat(body)
-            ereq = self._engine_request_chat(req)
+            with self._current(span):
+                req = self._parse_chat(body)
+                ereq = self._engine_request_chat(req)
             text, last = await self._collect(ereq, span)
         return ChatCompletionResponse(
             id=ereq.request_id,
@@ -267,8 +268,9 @@ class OpenAIIngress:
         )
 
         with self._span("chat", trace_headers) as span:
-            req = self._parse_chat(body)
-            ereq = self._engine_request_chat(req)
+            with self._current(span):
+                req = self._parse_chat(body)
+                ereq = self._engine_request_chat(req)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             created = int(time.time())
             first = True
@@ -293,8 +295,9 @@ class OpenAIIngress:
         from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice
 
         with self._span("text_completion", trace_headers) as span:
-            req = self._parse_completion(body)
-            ereq = self._engine_request_completion(req)
+            with self._current(span):
+                req = self._parse_completion(body)
+                ereq = self._engine_request_completion(req)
             text, last = await self._collect(ereq, span)
         return CompletionResponse(
             id=ereq.request_id, model=self.model_name,
@@ -307,8 +310,9 @@ class OpenAIIngress:
         from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
 
         with self._span("text_completion", trace_headers) as span:
-            req = self._parse_completion(body)
-            ereq = self._engine_request_completion(req)
+            with self._current(span):
+                req = self._parse_completion(body)
+                ereq = self._engine_request_completion(req)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             created = int(time.time())
             last: EngineOutput | None = None
@@ -329,16 +333,40 @@ class OpenAIIngress:
 
     @contextmanager
     def _span(self, operation: str, trace_headers: dict[str, str] | None) -> Iterator[Any]:
-        """The request span (GenAI semantic conventions), child of the caller's trace if any."""
-        from opentelemetry.trace import SpanKind
+        """The request span (GenAI semantic conventions), child of the caller's trace if any.
+
+        The span is ended (with the exception recorded, if any) when the block
+        exits, but it is *not* made the current span for the whole block: a
+        streaming generator resumes in the response's task, where a context
+        attached in the handler's task cannot be detached.  Callers make it
+        current with :meth:`_current` around the synchronous setup (parsing,
+        tokenizing, building the engine request, which carries it on to the
+        router and the engine).
+        """
+        from opentelemetry.trace import SpanKind, Status, StatusCode
 
         parent = tracing.extract(trace_headers) if trace_headers else None
-        with tracing.tracer().start_as_current_span(
+        span = tracing.tracer().start_span(
             f"{operation} {self.model_name}", context=parent, kind=SpanKind.SERVER,
             attributes={"gen_ai.operation.name": operation, "gen_ai.request.model": self.model_name,
                         "gen_ai.system": "vllm"},
-        ) as span:
+        )
+        try:
             yield span
+        except BaseException as e:
+            if not isinstance(e, GeneratorExit):  # a client that went away is not an error of the request
+                span.record_exception(e)
+                span.set_status(Status(StatusCode.ERROR, f"{type(e).__name__}: {e}"))
+            raise
+        finally:
+            span.end()
+
+    @staticmethod
+    def _current(span: Any):
+        """``span`` as the current span for a block without ``await``/``yield`` handing over tasks."""
+        from opentelemetry import trace
+
+        return trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         limit = self.args.max_request_body_bytes

@@ -18,6 +18,7 @@ import secrets
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -99,6 +100,43 @@ def test_traceparent_is_honoured_across_processes(app, receiver):
     assert engine["attributes"]["prefix_serve.replica_id"] == route["attributes"]["prefix_serve.route.replica_id"]
     assert all(s["resource"].get("service.name") in ("prefix-serve-test", None) or s["scope"].startswith("vllm")
                for s in spans)
+
+
+def test_streamed_request_span_tree_and_no_context_errors(app, receiver):
+    """A streamed completion resumes in the response's task: its span must still end cleanly.
+
+    The request span is the caller's child and the parent of the tokenize span;
+    the ingress must not log OpenTelemetry's "Failed to detach context" (a
+    context attached in the handler's task and detached in the stream's).
+    """
+    trace_id = secrets.token_hex(16)
+    parent_span = secrets.token_hex(8)
+    body = {"model": app.model, "prompt": "stream me " * 30, "max_tokens": 6, "stream": True}
+    with httpx.stream("POST", f"{app.base_url}/v1/completions", json=body, timeout=60,
+                      headers={"traceparent": f"00-{trace_id}-{parent_span}-01", **AUTH}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 2
+    deadline = time.monotonic() + 30
+    spans: list[dict] = []
+    while time.monotonic() < deadline:
+        spans = receiver.of_trace(trace_id)
+        if {f"text_completion {app.model}", "prefix_serve.tokenize", "prefix_serve.route"} <= {s["name"] for s in spans}:
+            break
+        time.sleep(0.5)
+    by_name = {s["name"]: s for s in spans}
+    request = by_name[f"text_completion {app.model}"]
+    assert request["parent_span_id"] == parent_span
+    assert by_name["prefix_serve.tokenize"]["parent_span_id"] == request["span_id"]
+    assert 1 <= request["attributes"]["gen_ai.usage.output_tokens"] <= 6
+    import ray._private.worker
+
+    # This module's Ray session (ray 2.60 has no public accessor for its log directory).
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    time.sleep(1.0)  # worker output reaches its log files asynchronously
+    files = [p for p in logs.rglob("*") if p.is_file() and p.suffix in (".log", ".err", ".out")]
+    assert files, f"no Ray log files under {logs}"
+    assert not [p.name for p in files if "Failed to detach context" in p.read_text(errors="replace")]
 
 
 def _families(text: str) -> set[str]:
