@@ -116,7 +116,9 @@ def _validate(model_cls, body: Any):
         return model_cls.model_validate(body)
     except ValidationError as e:
         first = e.errors()[0]
-        loc = ".".join(str(p) for p in first.get("loc", ()))
+        # pydantic's loc also names the union member or constraint it tried
+        # ("list[constrained-int]", "function-after[...]"): keep field names and indexes.
+        loc = ".".join(str(p) for p in first.get("loc", ()) if not any(c in str(p) for c in "[]()-"))
         raise OpenAIError(f"{loc}: {first.get('msg')}" if loc else str(first.get("msg")), 400, param=loc or None) from None
     except (ValueError, VLLMClientError) as e:
         raise OpenAIError(str(e), 400, param=getattr(e, "parameter", None)) from None
@@ -477,7 +479,8 @@ class OpenAIIngress:
         if n_prompt >= self.max_model_len:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, your prompt has {n_prompt} tokens.", 400, param="messages")
+                f"However, your prompt has {n_prompt} tokens.", 400,
+                param="messages" if prefix == "chatcmpl" else "prompt")
         requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
         if requested is None:
             max_tokens = self.max_model_len - n_prompt

@@ -176,8 +176,10 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         internal_id = pending_request.metadata.internal_request_id
         entry = self._pending.pop(internal_id, None)
         uid = replica_id.unique_id
-        if entry is None:
+        if entry is None:  # routed without a decision (fallback order, or not a generate call)
             self.core.inflight.setdefault(uid, {})[internal_id] = 0
+            if pending_request.args and isinstance(pending_request.args[0], EngineRequest):
+                metrics.DECISIONS.labels(reason="unscored").inc()
             return
         keys, prompt_len, block_size, decision = entry
         with self.lock:

@@ -149,6 +149,11 @@ def test_prompt_longer_than_context_is_rejected(app):
     r = httpx.post(f"{app.base_url}/v1/completions", json={"model": app.model, "prompt": [11] * 4096, "max_tokens": 1}, timeout=60)
     assert r.status_code == 400
     assert "maximum context length is 4096" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "prompt"
+    # A negative token id: the param names the field, not pydantic's union member.
+    r = httpx.post(f"{app.base_url}/v1/completions", json={"model": app.model, "prompt": [11, -3], "max_tokens": 1}, timeout=60)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] in ("prompt", "prompt.1")
 
 
 def test_python_handle_from_a_second_serve_app(app):

@@ -127,3 +127,10 @@ def test_ablation_refuses_options_it_would_ignore(capsys):
     with pytest.raises(SystemExit):
         ablation_main(TINY + ["--json", "x.json"])
     assert "--json" in capsys.readouterr().err
+
+
+def test_trace_options_are_checked(tmp_path):
+    with pytest.raises(SystemExit, match="--limit"):
+        main(["--trace", str(tmp_path / "t.jsonl"), "--num-requests", "5", "--no-progress"])
+    with pytest.raises(SystemExit, match="No such file"):
+        main(["--trace", str(tmp_path / "missing.jsonl"), "--no-progress"])

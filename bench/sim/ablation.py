@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, _ = _cluster(args)
     wl = _load(args, cfg.engine.max_model_len)
     wl.prepare(cfg.engine.block_size)
+    print(f"{wl.name}: {len(wl)} requests, {args.replicas} replicas, rate x{args.rate_scale:g}, seed {args.seed}\n")
     print("| variant | hit rate | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | ITL p99 (ms) |")
     print("|---|---:|---:|---:|---:|---:|")
     for label, router_config, release in steps():

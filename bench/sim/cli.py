@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake-format JSONL trace")
     src.add_argument("--workload", choices=sorted(GENERATORS), help="generated workload")
-    ap.add_argument("--num-requests", type=int, default=10_000, help="requests of a generated workload (10000)")
+    ap.add_argument("--num-requests", type=int, default=None,
+                    help="requests of a generated workload (10000); for a trace use --limit")
     ap.add_argument("--limit", type=int, default=None, help="use only the first N requests of the trace / workload")
     ap.add_argument("--replicas", type=int, default=8, help="engine replicas (8)")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="arrival-rate multiplier (1.0)")
@@ -81,10 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace, max_model_len: int) -> Workload:
+    """The workload of ``args``.
+
+    Raises:
+        SystemExit: ``--num-requests`` with ``--trace``, or an unreadable trace.
+    """
     if args.trace:
-        wl = load_mooncake(args.trace, max_model_len=max_model_len, limit=args.limit)
+        if args.num_requests is not None:
+            raise SystemExit("--num-requests is for generated workloads; use --limit N for the first N trace requests")
+        try:
+            wl = load_mooncake(args.trace, max_model_len=max_model_len, limit=args.limit)
+        except OSError as exc:
+            raise SystemExit(f"--trace {args.trace}: {exc.strerror or exc}") from None
     else:
-        wl = generate(args.workload, args.num_requests, seed=args.seed)
+        wl = generate(args.workload, args.num_requests or 10_000, seed=args.seed)
         if args.limit:
             wl = wl.head(args.limit)
     return wl.scaled(args.rate_scale) if args.rate_scale != 1.0 else wl

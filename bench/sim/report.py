@@ -52,7 +52,7 @@ def markdown_table(report: dict[str, Any]) -> str:
                      f" ({'qualifies' if acc['load_qualifies'] else 'below 2'})")
     if "prefix_affinity" in acc:
         a = acc["prefix_affinity"]
-        verdict = "lowest p90" if a["lowest_p90"] else f"lowest p90: {a['best_p90_policy']}"
+        verdict = "lowest p90" if a["lowest_p90"] else f"not the lowest p90 ({a['best_p90_policy']} is)"
         notes.append(f"prefix_affinity: {verdict}, hit rate {a['hit_over_pooled'] * 100:.0f} % of pooled")
     w = report["workload"]
     head = (f"{w['requests']} requests ({w.get('rejected', 0)} rejected), "
