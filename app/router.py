@@ -191,10 +191,11 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         metrics.PROMPT_TOKENS.inc(prompt_len)
         metrics.PREDICTED_CACHED.inc(predicted)
         request = pending_request.args[0]
-        self._awaiting_first[request.request_id] = (uid, internal_id)
-        self._request_of[internal_id] = request.request_id
-        while len(self._awaiting_first) > _MAX_PENDING:
-            self._request_of.pop(self._awaiting_first.popitem(last=False)[1][1], None)
+        with self._inflight_lock:
+            self._awaiting_first[request.request_id] = (uid, internal_id)
+            self._request_of[internal_id] = request.request_id
+            while len(self._awaiting_first) > _MAX_PENDING:
+                self._request_of.pop(self._awaiting_first.popitem(last=False)[1][1], None)
         self.decisions[request.request_id] = {
             "replica_id": uid,
             "reason": reason,
