@@ -43,11 +43,12 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import requests
-from locust import User, events
+from locust import User, events, task
 from locust.exception import StopUser
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -361,6 +362,42 @@ class LLMUser(User):
                 "error": None if res.ok else str(res.error)[:300],
             })
         return res
+
+
+_SHARED_WORKLOADS: dict[tuple, Any] = {}
+
+
+def shared_workload(environment, factory: Callable[[Any, int], Any], cfg: Any) -> Any:
+    """One workload object per (factory, ``cfg``, ``--seed``) in this process, shared by its users.
+
+    ``factory(cfg, seed)`` builds it (e.g. ``workloads.Rag``); ``cfg`` must be hashable.
+    """
+    seed = int(option(environment, "seed", 0))
+    key = (factory, cfg, seed)
+    if key not in _SHARED_WORKLOADS:
+        _SHARED_WORKLOADS[key] = factory(cfg, seed)
+    return _SHARED_WORKLOADS[key]
+
+
+class SamplingUser(LLMUser):
+    """A user whose every task sends one request sampled from a shared workload.
+
+    Subclasses set ``workload_name`` and implement :meth:`make_workload`.
+    """
+
+    abstract = True
+
+    def make_workload(self) -> Any:
+        """The workload this user samples from (see :func:`shared_workload`)."""
+        raise NotImplementedError
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.workload = self.make_workload()
+
+    @task
+    def ask(self) -> None:
+        self.send(self.workload.sample(self.rng))
 
 
 def workload_module():

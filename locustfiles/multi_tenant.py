@@ -16,12 +16,12 @@ Options (env): --tenants (TENANTS, 4), --tenant-zipf (TENANT_ZIPF, 0.8),
 
 from __future__ import annotations
 
-from locust import events, task
+from locust import events
 
 try:
-    from locustfiles._common import LLMUser, option, workload_module
+    from locustfiles._common import SamplingUser, option, shared_workload, workload_module
 except ImportError:  # this folder copied alone
-    from _common import LLMUser, option, workload_module  # type: ignore[no-redef]
+    from _common import SamplingUser, option, shared_workload, workload_module  # type: ignore[no-redef]
 
 W = workload_module()
 _DEFAULT = W.MultiTenantConfig()
@@ -41,9 +41,6 @@ def _options(parser) -> None:
                         help="fresh tokens after the app prompt, LOW-HIGH")
 
 
-_WORKLOADS: dict[tuple, object] = {}
-
-
 def workload(environment):
     cfg = W.MultiTenantConfig(
         tenants=int(option(environment, "tenants", _DEFAULT.tenants)),
@@ -52,20 +49,11 @@ def workload(environment):
         system_tokens=int(option(environment, "tenant_prompt_tokens", _DEFAULT.system_tokens)),
         question_tokens=W.parse_range(option(environment, "tenant_question_tokens", "16-64")),
     )
-    seed = int(option(environment, "seed", 0))
-    key = (cfg, seed)
-    if key not in _WORKLOADS:
-        _WORKLOADS[key] = W.MultiTenant(cfg, seed)
-    return _WORKLOADS[key]
+    return shared_workload(environment, W.MultiTenant, cfg)
 
 
-class MultiTenantUser(LLMUser):
+class MultiTenantUser(SamplingUser):
     workload_name = "multi_tenant"
 
-    def on_start(self) -> None:
-        super().on_start()
-        self.workload = workload(self.environment)
-
-    @task
-    def ask(self) -> None:
-        self.send(self.workload.sample(self.rng))
+    def make_workload(self):
+        return workload(self.environment)

@@ -20,9 +20,9 @@ from __future__ import annotations
 from locust import events, task
 
 try:
-    from locustfiles._common import LLMUser, option, workload_module
+    from locustfiles._common import LLMUser, option, shared_workload, workload_module
 except ImportError:  # this folder copied alone
-    from _common import LLMUser, option, workload_module  # type: ignore[no-redef]
+    from _common import LLMUser, option, shared_workload, workload_module  # type: ignore[no-redef]
 
 W = workload_module()
 _DEFAULT = W.MultiTurnConfig()
@@ -38,9 +38,6 @@ def _options(parser) -> None:
                         help="turns of a conversation, LOW-HIGH")
 
 
-_WORKLOADS: dict[tuple, object] = {}
-
-
 def workload(environment):
     cfg = W.MultiTurnConfig(
         system_words=int(option(environment, "chat_system_words", _DEFAULT.system_words)),
@@ -48,11 +45,7 @@ def workload(environment):
         turns=W.parse_range(option(environment, "chat_turns", "3-8")),
         max_tokens=_DEFAULT.max_tokens,
     )
-    seed = int(option(environment, "seed", 0))
-    key = (cfg, seed)
-    if key not in _WORKLOADS:
-        _WORKLOADS[key] = W.MultiTurn(cfg, seed)
-    return _WORKLOADS[key]
+    return shared_workload(environment, W.MultiTurn, cfg)
 
 
 class MultiTurnUser(LLMUser):

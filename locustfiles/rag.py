@@ -16,12 +16,12 @@ vocabularies), --rag-question-words (RAG_QUESTION_WORDS, "8-24"), --rag-zipf
 
 from __future__ import annotations
 
-from locust import events, task
+from locust import events
 
 try:
-    from locustfiles._common import LLMUser, option, workload_module
+    from locustfiles._common import SamplingUser, option, shared_workload, workload_module
 except ImportError:  # this folder copied alone
-    from _common import LLMUser, option, workload_module  # type: ignore[no-redef]
+    from _common import SamplingUser, option, shared_workload, workload_module  # type: ignore[no-redef]
 
 W = workload_module()
 _DEFAULT = W.RagConfig()
@@ -39,9 +39,6 @@ def _options(parser) -> None:
                         help="Zipf exponent of document popularity (0 = uniform)")
 
 
-_WORKLOADS: dict[tuple, object] = {}
-
-
 def workload(environment):
     cfg = W.RagConfig(
         documents=int(option(environment, "rag_documents", _DEFAULT.documents)),
@@ -49,20 +46,11 @@ def workload(environment):
         question_words=W.parse_range(option(environment, "rag_question_words", "8-24")),
         zipf_s=float(option(environment, "rag_zipf", _DEFAULT.zipf_s)),
     )
-    seed = int(option(environment, "seed", 0))
-    key = (cfg, seed)
-    if key not in _WORKLOADS:
-        _WORKLOADS[key] = W.Rag(cfg, seed)
-    return _WORKLOADS[key]
+    return shared_workload(environment, W.Rag, cfg)
 
 
-class RagUser(LLMUser):
+class RagUser(SamplingUser):
     workload_name = "rag"
 
-    def on_start(self) -> None:
-        super().on_start()
-        self.workload = workload(self.environment)
-
-    @task
-    def ask(self) -> None:
-        self.send(self.workload.sample(self.rng))
+    def make_workload(self):
+        return workload(self.environment)

@@ -17,12 +17,12 @@ traffic or to your replicas' KV cache (vLLM logs "KV cache size: N tokens").
 
 from __future__ import annotations
 
-from locust import events, task
+from locust import events
 
 try:
-    from locustfiles._common import LLMUser, option, workload_module
+    from locustfiles._common import SamplingUser, option, shared_workload, workload_module
 except ImportError:  # this folder copied alone
-    from _common import LLMUser, option, workload_module  # type: ignore[no-redef]
+    from _common import SamplingUser, option, shared_workload, workload_module  # type: ignore[no-redef]
 
 W = workload_module()
 _DEFAULT = W.SharedPrefixConfig()
@@ -40,9 +40,6 @@ def _options(parser) -> None:
                         help="Zipf exponent of group popularity (0 = uniform)")
 
 
-_WORKLOADS: dict[tuple, object] = {}
-
-
 def workload(environment):
     cfg = W.SharedPrefixConfig(
         groups=int(option(environment, "sp_groups", _DEFAULT.groups)),
@@ -50,20 +47,11 @@ def workload(environment):
         question_tokens=W.parse_range(option(environment, "sp_question_tokens", "16-64")),
         zipf_s=float(option(environment, "sp_zipf", _DEFAULT.zipf_s)),
     )
-    seed = int(option(environment, "seed", 0))
-    key = (cfg, seed)
-    if key not in _WORKLOADS:
-        _WORKLOADS[key] = W.SharedPrefix(cfg, seed)
-    return _WORKLOADS[key]
+    return shared_workload(environment, W.SharedPrefix, cfg)
 
 
-class SharedPrefixUser(LLMUser):
+class SharedPrefixUser(SamplingUser):
     workload_name = "shared_prefix"
 
-    def on_start(self) -> None:
-        super().on_start()
-        self.workload = workload(self.environment)
-
-    @task
-    def ask(self) -> None:
-        self.send(self.workload.sample(self.rng))
+    def make_workload(self):
+        return workload(self.environment)
