@@ -19,7 +19,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py routing/_blocktable.c routing/_chain.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip wheel
 	$(PY) -m pip install --quiet $(PIP_INDEX) -e ".[$(EXTRA),test]"

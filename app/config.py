@@ -82,14 +82,19 @@ class RouterConfig(_Strict):
     no_match_choices: int = Field(_POLICY.no_match_choices, ge=0, description="replicas sampled when none holds the prefix: 2 = power of two choices, 0 = all")
     stale_events_s: float = Field(30.0, gt=0.0, description="a replica silent this long with work in flight is routed by load only")
 
-    def affinity_router(self, rng: random.Random | None = None) -> AffinityRouter:
-        """A fresh ``routing.affinity.AffinityRouter`` (with its own ``BlockIndex``) with these knobs.
+    def affinity_router(self, rng: random.Random | None = None, index: BlockIndex | None = None) -> AffinityRouter:
+        """A fresh ``routing.affinity.AffinityRouter`` with these knobs.
 
-        The live router and the simulator both build theirs here, so they run the same settings.
+        The live router, the simulator and the router microbenchmark build theirs
+        here, so they run the same settings.  ``index``: an index already built
+        (the benchmark's); by default a new empty ``BlockIndex`` capped at
+        ``max_indexed_blocks``.
         """
         policy = PolicyConfig(load_floor=self.load_floor, uncached_weight=self.uncached_weight,
                               no_match_choices=self.no_match_choices)
-        return AffinityRouter(BlockIndex(max_blocks=self.max_indexed_blocks), load_factor=self.load_factor,
+        if index is None:
+            index = BlockIndex(max_blocks=self.max_indexed_blocks)
+        return AffinityRouter(index, load_factor=self.load_factor,
                               predicted_ttl_s=self.predicted_ttl_s, stale_events_s=self.stale_events_s,
                               rng=rng, policy=policy)
 

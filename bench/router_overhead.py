@@ -4,7 +4,8 @@ Usage::
 
     python -m bench.router_overhead [--json OUT] [--quick]
 
-Pure Python on one core, no tokenization, no engines:
+One core, no tokenization, no engines; the router's own code, whose hot loops
+are C (``routing/_blocktable.c``, ``routing/_chain.c``):
 
 * ``ingest_blocks_per_s``: ``BlockStored`` blocks folded into a
   :class:`routing.index.BlockIndex` per second of wall time, msgpack decoding
@@ -19,13 +20,15 @@ Pure Python on one core, no tokenization, no engines:
   the second pass is timed: the first grows the process heap (page faults a
   long-running router paid once); its rate is in ``ingest_by_block_size``.
 * ``lookup_us``: per-request router work for prompts of 1k, 8k and 32k
-  tokens against the 16 steady-state replicas: block keys of the prompt (from
-  the ``array('I')`` the ingress produces when it tokenizes) + ``BlockIndex.match``
-  + building 16 ``ReplicaView`` + ``choose_replica``.
+  tokens against the 16 steady-state replicas, on the live router's code
+  path: block keys of the prompt (from the ``array('I')`` the ingress
+  produces when it tokenizes) + 16 ``Candidate`` + ``AffinityRouter.choose``
+  (``BlockIndex.match``, 16 ``ReplicaView``, ``choose_replica``).
   p50 / p99 in microseconds of wall time, at block size 16 (top level) and
   32 (``lookup_us_by_block_size``), after 50 untimed lookups.  Prompts are a
   stored document followed by fresh tokens, built as a new array before
-  each lookup, so the walk crosses many matched blocks.
+  each lookup, so the walk crosses many matched blocks; ``longest_match_fraction``
+  is the mean share of the prompt the best-placed replica has cached.
 * ``bytes_per_block``: heap bytes (tracemalloc) of a built index per
   (replica, block) entry.
 
@@ -46,10 +49,11 @@ from collections import OrderedDict
 
 import xxhash
 
+from app.config import RouterConfig
+from routing.affinity import Candidate
 from routing.block_keys import block_keys
 from routing.events import BlockRemoved, BlockStored, decode_batch, encode_batch
 from routing.index import BlockIndex
-from routing.policy import PolicyConfig, ReplicaView, RoutingRequest, choose_replica
 
 NUM_REPLICAS = 16
 VOCAB = 151_000
@@ -196,17 +200,27 @@ def _percentile(sorted_ns: list[int], q: float) -> float:
 
 
 def bench_lookup(index: BlockIndex, docs: list[list[int]], block_size: int, prompt_len: int, n: int) -> dict:
-    """Keys + match + views + policy for ``n`` prompts of ``prompt_len`` tokens.
+    """Per-request router work for ``n`` prompts of ``prompt_len`` tokens, on the live router's code path.
 
-    Each prompt is a stored document followed by fresh tokens, built just
-    before its lookup as a new ``array('I')``, as the ingress hands it over.
+    Timed, as ``app/router.py`` runs it per request: ``block_keys`` of the
+    prompt, one ``Candidate`` per replica (its routing stats and
+    ``max_ongoing_requests``) and ``AffinityRouter.choose`` (``BlockIndex.match``,
+    one ``ReplicaView`` per candidate from the router's in-flight accounting,
+    ``choose_replica``), with the default ``RouterConfig`` knobs.  Each prompt
+    is a stored document followed by fresh tokens, built just before its
+    lookup as a new ``array('I')``, as the ingress hands it over; objects of
+    the previous lookup are freed before the clock starts.
     """
     rng = random.Random(prompt_len)
     replicas = tuple(f"replica-{r}" for r in range(NUM_REPLICAS))
-    load = {rid: (rng.randrange(0, 8), rng.randrange(0, 4096)) for rid in replicas}
+    router = RouterConfig().affinity_router(random.Random(0), index=index)
+    stats = {}
+    for r, rid in enumerate(replicas):  # each replica has 0-7 requests in flight, some still queued for prefill
+        router.inflight[rid] = {(r, j): rng.choice((0, rng.randrange(1, 4096))) for j in range(rng.randrange(8))}
+        stats[rid] = {"num_running": len(router.inflight[rid]), "num_waiting": rng.randrange(2),
+                      "kv_cache_usage": rng.random()}
+    last_event_at = dict.fromkeys(replicas, 0.0)
     fitting = [array("I", d) for d in docs if len(d) <= prompt_len]
-    config = PolicyConfig()
-    policy_rng = random.Random(0)
     samples: list[int] = []
     matched_fraction = 0.0
     gc.collect()
@@ -216,16 +230,14 @@ def bench_lookup(index: BlockIndex, docs: list[list[int]], block_size: int, prom
         # A fresh array('I'), as the ingress hands token ids to the router
         # (EngineRequest.prompt_token_ids); tokenization is not timed.
         prompt = array("I", (doc + tail).tolist())
+        keys = candidates = decision = None
         t0 = time.perf_counter_ns()
         keys = block_keys(prompt, block_size)
-        matched = index.match(keys, replicas, 0.0)
-        views = [
-            ReplicaView(rid, matched[rid], load[rid][0], load[rid][1], max_ongoing_requests=64) for rid in replicas
-        ]
-        choose_replica(RoutingRequest(len(prompt), block_size), views, config, policy_rng)
+        candidates = [Candidate(rid, stats[rid], 64) for rid in replicas]
+        decision = router.choose(keys, len(prompt), block_size, candidates, 0.0, last_event_at)
         if i >= WARMUP_LOOKUPS:
             samples.append(time.perf_counter_ns() - t0)
-            matched_fraction += max(matched.values()) / len(keys)
+            matched_fraction += max(decision.matched_tokens, decision.best_alternative_matched_tokens) / len(prompt)
     samples.sort()
     return {
         "p50": _percentile(samples, 0.50),

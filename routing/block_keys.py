@@ -32,14 +32,15 @@ ids must fit in an unsigned 32-bit integer, else ``ValueError``.
 
 from __future__ import annotations
 
-import struct
 import sys
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import xxhash
+
+from routing._chain import chain_keys as _chain_loop
 
 __all__ = [
     "ROOT_SEED",
@@ -60,7 +61,6 @@ TokenIds = Sequence[int] | array | bytes
 _xxh3 = xxhash.xxh3_64_intdigest
 _msgpack_encode = msgspec.msgpack.Encoder().encode
 _BIG_ENDIAN_HOST = sys.byteorder == "big"
-_unpackers: dict[int, Callable[[Any], Iterator[tuple[bytes]]]] = {}
 
 
 def _as_uint32(token_ids: TokenIds, block_size: int) -> array:
@@ -90,14 +90,6 @@ def _as_uint32(token_ids: TokenIds, block_size: int) -> array:
     return tokens if usable == len(tokens) else tokens[:usable]
 
 
-def _pieces(tokens: array, block_size: int) -> Iterator[tuple[bytes]]:
-    """One 1-tuple ``(block_bytes,)`` per block; ``struct.iter_unpack`` slices in C."""
-    unpack = _unpackers.get(block_size)
-    if unpack is None:
-        unpack = _unpackers[block_size] = struct.Struct(f"{4 * block_size}s").iter_unpack
-    return unpack(tokens)
-
-
 def chain_keys(tokens: array, block_size: int, seed: int = ROOT_SEED) -> list[int]:
     """Chained keys of blocks without extra keys (the common, fast path).
 
@@ -107,21 +99,36 @@ def chain_keys(tokens: array, block_size: int, seed: int = ROOT_SEED) -> list[in
         block_size: tokens per block (> 0).
         seed: the parent block's key, or ``ROOT_SEED`` at a sequence start.
 
+    The loop runs in C (``routing._chain``), calling ``xxhash.xxh3_64_intdigest``
+    once a block.
+
     Raises:
-        struct.error: ``tokens`` is not a whole number of blocks.
+        ValueError: ``tokens`` is not a whole number of blocks.
     """
-    if len(tokens) == block_size:  # one block (decode-phase events): no slicing
+    if len(tokens) == block_size:  # one block (decode-phase events): no loop
         return [_xxh3(tokens, seed)]
-    key = seed
-    h = _xxh3
-    return [key := h(piece, key) for (piece,) in _pieces(tokens, block_size)]
+    return _chain_loop(_xxh3, tokens, block_size, seed, b"")
 
 
 def _chain_with_tails(tokens: array, block_size: int, seed: int, tails: Sequence[bytes]) -> list[int]:
-    """Like :func:`chain_keys`, appending ``tails[i]`` to block ``i``'s bytes."""
+    """Like :func:`chain_keys`, appending ``tails[i]`` to block ``i``'s bytes.
+
+    One C loop per run of equal tails (a salt is on the first block only, a
+    LoRA name on every block).
+    """
+    keys: list[int] = []
     key = seed
-    h = _xxh3
-    return [key := h(piece + tail, key) for (piece,), tail in zip(_pieces(tokens, block_size), tails)]
+    start = 0
+    n = len(tails)
+    while start < n:
+        tail = tails[start]
+        end = start + 1
+        while end < n and tails[end] == tail:
+            end += 1
+        keys += _chain_loop(_xxh3, tokens[start * block_size : end * block_size], block_size, key, tail)
+        key = keys[-1]
+        start = end
+    return keys
 
 
 def extra_keys_tail(lora_name: str | None, cache_salt: str | None, other: Sequence[Any] | None = None) -> bytes:

@@ -105,6 +105,15 @@ def test_from_stored_reads_vllm_extra_keys() -> None:
     assert block_keys_from_stored(TOKENS[:16], 16, None, extra_keys=[["s"]]) == salted
 
 
+def test_tails_changing_from_block_to_block() -> None:
+    """Runs of equal tails (hashed one C loop a run) interleaved with single tailed blocks."""
+    extra = [None, [["img", 0]], [["img", 0]], None, [["img", 16]], None]
+    tails = [extra_keys_tail(*split_event_extra_keys(e, None)) for e in extra]
+    assert tails[0] == tails[3] == tails[5] == b"" and tails[1] == tails[2] != tails[4]
+    assert block_keys_from_stored(TOKENS[:96], 16, None, extra_keys=extra) == expected_chain(TOKENS, 16, tails)
+    assert block_keys_from_stored(TOKENS[:96], 16, 77, extra_keys=extra) == expected_chain(TOKENS, 16, tails, seed=77)
+
+
 def test_multimodal_extra_keys_never_match_text() -> None:
     lora, salt, other = split_event_extra_keys(["ad", ["img-hash", 3], "salt", b"\x01" * 32], "ad")
     assert (lora, salt, other) == ("ad", "salt", (["img-hash", 3], b"\x01" * 32))
