@@ -117,6 +117,95 @@ erase(BlockTable *t, size_t i)
     t->used--;
 }
 
+/* Insert an absent key (slot i was returned by find) with a borrowed mask; may resize. */
+static int
+insert_at(BlockTable *t, size_t i, uint64_t key, PyObject *mask)
+{
+    if ((size_t)(t->used + 1) * 2 > t->capacity_mask + 1) {
+        if (resize(t, (t->capacity_mask + 1) * 2) < 0)
+            return -1;
+        i = find(t, key);
+    }
+    t->slots[i].key = key;
+    t->slots[i].value = (uintptr_t)Py_NewRef(mask);
+    t->used++;
+    return 0;
+}
+
+/* 1 if key's mask has a bit of `bit`, 0 if not (or key absent), -1 on error. */
+static int
+has_bit(BlockTable *t, uint64_t key, PyObject *bit)
+{
+    Slot *s = &t->slots[find(t, key)];
+    if (!s->value)
+        return 0;
+    PyObject *both = PyNumber_And(SLOT_MASK(s), bit);
+    if (both == NULL)
+        return -1;
+    int has = PyObject_IsTrue(both);
+    Py_DECREF(both);
+    return has;
+}
+
+/* key's mask |= bit (inserting key if absent), the result interned in `masks`. */
+static int
+or_bit(BlockTable *t, uint64_t key, PyObject *bit, PyObject *masks)
+{
+    size_t j = find(t, key);
+    Slot *s = &t->slots[j];
+    PyObject *grown = s->value ? PyNumber_Or(SLOT_MASK(s), bit) : Py_NewRef(bit);
+    if (grown == NULL)
+        return -1;
+    PyObject *interned = PyDict_SetDefault(masks, grown, grown); /* borrowed */
+    Py_DECREF(grown);
+    if (interned == NULL)
+        return -1;
+    if (!s->value)
+        return insert_at(t, j, key, interned);
+    PyObject *old = SLOT_MASK(s);
+    s->value = (uintptr_t)Py_NewRef(interned) | (s->value & REF_BIT);
+    Py_DECREF(old);
+    return 0;
+}
+
+/* key's mask &= not_bit (~bit), interned; the key goes when no bit is left. */
+static int
+clear_bit(BlockTable *t, uint64_t key, PyObject *bit, PyObject *not_bit, PyObject *masks)
+{
+    size_t j = find(t, key);
+    Slot *s = &t->slots[j];
+    if (!s->value)
+        return 0;
+    PyObject *old = SLOT_MASK(s);
+    int only = PyObject_RichCompareBool(old, bit, Py_EQ); /* the common case: no other holder */
+    if (only < 0)
+        return -1;
+    if (only) {
+        erase(t, j);
+        Py_DECREF(old);
+        return 0;
+    }
+    PyObject *rest = PyNumber_And(old, not_bit);
+    if (rest == NULL)
+        return -1;
+    int any = PyObject_IsTrue(rest);
+    if (any <= 0) {
+        Py_DECREF(rest);
+        if (any < 0)
+            return -1;
+        erase(t, j);
+        Py_DECREF(old);
+        return 0;
+    }
+    PyObject *interned = PyDict_SetDefault(masks, rest, rest); /* borrowed */
+    Py_DECREF(rest);
+    if (interned == NULL)
+        return -1;
+    s->value = (uintptr_t)Py_NewRef(interned) | (s->value & REF_BIT);
+    Py_DECREF(old);
+    return 0;
+}
+
 static int
 check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t least, Py_ssize_t most)
 {
@@ -249,15 +338,7 @@ BlockTable_ass_subscript(BlockTable *t, PyObject *key_obj, PyObject *value)
         Py_DECREF(old);
         return 0;
     }
-    if ((size_t)(t->used + 1) * 2 > t->capacity_mask + 1) {
-        if (resize(t, (t->capacity_mask + 1) * 2) < 0)
-            return -1;
-        s = &t->slots[find(t, key)];
-    }
-    s->key = key;
-    s->value = (uintptr_t)Py_NewRef(value);
-    t->used++;
-    return 0;
+    return insert_at(t, i, key, value);
 }
 
 static int
@@ -456,6 +537,462 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(store_doc,
+             "store(engine_hashes, keys, key_of, bit, masks, /)\n--\n\n"
+             "Fold one BlockStored's blocks of one replica in (``routing.index``'s inner loop).\n\n"
+             "For each pair ``(h, k)``: ``key_of.setdefault(h, k)``; if ``h`` was already there\n"
+             "the block is another physical copy (``h`` goes to ``copies``).  Otherwise ``bit``\n"
+             "is or-ed into ``k``'s mask, interned through ``masks.setdefault``; a ``k`` whose\n"
+             "mask already had ``bit`` goes to ``held``.\n\n"
+             "Returns ``(new, copies, held)``: blocks newly mapped, and the two lists.\n"
+             "A bad key raises TypeError / OverflowError; the blocks before it stay folded in.");
+
+static PyObject *
+BlockTable_store(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!check_nargs("store", nargs, 5, 5))
+        return NULL;
+    PyObject *key_of_map = args[2], *bit = args[3], *masks = args[4];
+    if (!PyDict_Check(key_of_map) || !PyDict_Check(masks) || !PyLong_CheckExact(bit)) {
+        PyErr_SetString(PyExc_TypeError, "store(engine_hashes, keys, key_of: dict, bit: int, masks: dict)");
+        return NULL;
+    }
+    PyObject *hashes = PySequence_Fast(args[0], "engine_hashes must be a sequence");
+    if (hashes == NULL)
+        return NULL;
+    PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence of ints");
+    if (keys == NULL) {
+        Py_DECREF(hashes);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    if (PySequence_Fast_GET_SIZE(keys) < n)
+        n = PySequence_Fast_GET_SIZE(keys);
+    PyObject **eh = PySequence_Fast_ITEMS(hashes);
+    PyObject **ks = PySequence_Fast_ITEMS(keys);
+    PyObject *copies = PyList_New(0), *held = PyList_New(0), *result = NULL;
+    Py_ssize_t fresh = 0;
+    if (copies == NULL || held == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t key;
+        if (key_of(ks[i], &key) < 0)
+            goto done; /* blocks before this one stay folded in */
+        PyObject *was = PyDict_SetDefault(key_of_map, eh[i], ks[i]); /* borrowed */
+        if (was == NULL)
+            goto done;
+        if (was != ks[i]) {
+            if (PyList_Append(copies, eh[i]) < 0)
+                goto done;
+            continue;
+        }
+        fresh++;
+        int has = has_bit(t, key, bit);
+        if (has < 0)
+            goto done;
+        if (has) {
+            if (PyList_Append(held, ks[i]) < 0)
+                goto done;
+        }
+        else if (or_bit(t, key, bit, masks) < 0)
+            goto done;
+    }
+    result = Py_BuildValue("(nOO)", fresh, copies, held);
+done:
+    Py_XDECREF(copies);
+    Py_XDECREF(held);
+    Py_DECREF(hashes);
+    Py_DECREF(keys);
+    return result;
+}
+
+/* ------------------------------------------------------------ predictions */
+
+/* (block key, replica slot) -> expiry of that replica's prediction of the block. */
+typedef struct {
+    uint64_t key;
+    uint32_t replica;
+    uint32_t occupied;
+    double until;
+} PSlot;
+
+typedef struct {
+    PyObject_HEAD
+    PSlot *slots;
+    size_t capacity_mask;
+    Py_ssize_t used;
+    uint64_t seed;
+} Predictions;
+
+static PyTypeObject PredictionsType;
+
+static inline size_t
+p_home(const Predictions *p, uint64_t key, uint32_t replica)
+{
+    return (size_t)home_of(key ^ ((uint64_t)(replica + 1) * 0x9E3779B97F4A7C15ULL), p->seed) & p->capacity_mask;
+}
+
+static inline size_t
+p_find(const Predictions *p, uint64_t key, uint32_t replica)
+{
+    size_t i = p_home(p, key, replica);
+    for (;;) {
+        const PSlot *s = &p->slots[i];
+        if (!s->occupied || (s->key == key && s->replica == replica))
+            return i;
+        i = (i + 1) & p->capacity_mask;
+    }
+}
+
+static int
+p_resize(Predictions *p, size_t capacity)
+{
+    PSlot *fresh = PyMem_Calloc(capacity, sizeof(PSlot));
+    if (fresh == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PSlot *old = p->slots;
+    size_t old_capacity = old ? p->capacity_mask + 1 : 0;
+    p->slots = fresh;
+    p->capacity_mask = capacity - 1;
+    for (size_t j = 0; j < old_capacity; j++) {
+        if (old[j].occupied)
+            p->slots[p_find(p, old[j].key, old[j].replica)] = old[j];
+    }
+    PyMem_Free(old);
+    return 0;
+}
+
+static void
+p_erase(Predictions *p, size_t i)
+{
+    size_t m = p->capacity_mask;
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & m;
+        PSlot *s = &p->slots[j];
+        if (!s->occupied)
+            break;
+        size_t h = p_home(p, s->key, s->replica);
+        int stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
+        if (!stays) {
+            p->slots[i] = *s;
+            i = j;
+        }
+    }
+    memset(&p->slots[i], 0, sizeof(PSlot));
+    p->used--;
+}
+
+/* Set (key, replica) -> until; 1 if it was new, 0 if extended, -1 on error. */
+static int
+p_set(Predictions *p, uint64_t key, uint32_t replica, double until)
+{
+    size_t i = p_find(p, key, replica);
+    if (p->slots[i].occupied) {
+        p->slots[i].until = until;
+        return 0;
+    }
+    if ((size_t)(p->used + 1) * 2 > p->capacity_mask + 1) {
+        if (p_resize(p, (p->capacity_mask + 1) * 2) < 0)
+            return -1;
+        i = p_find(p, key, replica);
+    }
+    p->slots[i].key = key;
+    p->slots[i].replica = replica;
+    p->slots[i].occupied = 1;
+    p->slots[i].until = until;
+    p->used++;
+    return 1;
+}
+
+static PyObject *
+Predictions_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"seed", NULL};
+    unsigned long long seed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|K:Predictions", kwlist, &seed))
+        return NULL;
+    Predictions *p = (Predictions *)type->tp_alloc(type, 0);
+    if (p == NULL)
+        return NULL;
+    p->seed = (uint64_t)seed;
+    p->slots = NULL;
+    p->used = 0;
+    if (p_resize(p, MIN_CAPACITY) < 0) {
+        Py_DECREF(p);
+        return NULL;
+    }
+    return (PyObject *)p;
+}
+
+static void
+Predictions_dealloc(Predictions *p)
+{
+    PyMem_Free(p->slots);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static Py_ssize_t
+Predictions_len(Predictions *p)
+{
+    return p->used;
+}
+
+static int
+replica_of(PyObject *obj, uint32_t *out)
+{
+    unsigned long v = PyLong_AsUnsignedLong(obj);
+    if (v == (unsigned long)-1 && PyErr_Occurred())
+        return -1;
+    if (v > UINT32_MAX - 1) {
+        PyErr_SetString(PyExc_OverflowError, "replica slot out of range");
+        return -1;
+    }
+    *out = (uint32_t)v;
+    return 0;
+}
+
+PyDoc_STRVAR(p_until_doc, "until(key, replica, /)\n--\n\nExpiry of ``replica``'s prediction of ``key``, or None.");
+
+static PyObject *
+Predictions_until(Predictions *p, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t key;
+    uint32_t replica;
+    if (!check_nargs("until", nargs, 2, 2) || key_of(args[0], &key) < 0 || replica_of(args[1], &replica) < 0)
+        return NULL;
+    PSlot *s = &p->slots[p_find(p, key, replica)];
+    if (!s->occupied)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(s->until);
+}
+
+PyDoc_STRVAR(p_discard_doc,
+             "discard(key, replica, /)\n--\n\nForget ``replica``'s prediction of ``key``; True if there was one.");
+
+static PyObject *
+Predictions_discard(Predictions *p, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t key;
+    uint32_t replica;
+    if (!check_nargs("discard", nargs, 2, 2) || key_of(args[0], &key) < 0 || replica_of(args[1], &replica) < 0)
+        return NULL;
+    size_t i = p_find(p, key, replica);
+    if (!p->slots[i].occupied)
+        Py_RETURN_FALSE;
+    p_erase(p, i);
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(p_clear_replica_doc,
+             "clear_replica(replica, /)\n--\n\nForget every prediction of ``replica``; returns their keys (a list).\n"
+             "Scans the whole table: for rare events (a replica cleared or gone).");
+
+static PyObject *
+Predictions_clear_replica(Predictions *p, PyObject *arg)
+{
+    uint32_t replica;
+    if (replica_of(arg, &replica) < 0)
+        return NULL;
+    PyObject *keys = PyList_New(0);
+    if (keys == NULL)
+        return NULL;
+    size_t capacity = p->capacity_mask + 1;
+    for (size_t j = 0; j < capacity; j++) {
+        if (!p->slots[j].occupied || p->slots[j].replica != replica)
+            continue;
+        PyObject *k = PyLong_FromUnsignedLongLong(p->slots[j].key);
+        if (k == NULL || PyList_Append(keys, k) < 0) {
+            Py_XDECREF(k);
+            Py_DECREF(keys);
+            return NULL;
+        }
+        Py_DECREF(k);
+    }
+    /* Erase after collecting: backward shifts move entries, so scan-and-erase could skip some. */
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t key = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(keys, i));
+        size_t at = p_find(p, key, replica);
+        if (p->slots[at].occupied)
+            p_erase(p, at);
+    }
+    return keys;
+}
+
+PyDoc_STRVAR(p_memory_bytes_doc, "memory_bytes()\n--\n\nBytes of the object and its slot array.");
+
+static PyObject *
+Predictions_memory_bytes(Predictions *p, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromSize_t(sizeof(Predictions) + (p->capacity_mask + 1) * sizeof(PSlot));
+}
+
+static PyMethodDef Predictions_methods[] = {
+    {"until", (PyCFunction)(void (*)(void))Predictions_until, METH_FASTCALL, p_until_doc},
+    {"discard", (PyCFunction)(void (*)(void))Predictions_discard, METH_FASTCALL, p_discard_doc},
+    {"clear_replica", (PyCFunction)Predictions_clear_replica, METH_O, p_clear_replica_doc},
+    {"memory_bytes", (PyCFunction)Predictions_memory_bytes, METH_NOARGS, p_memory_bytes_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMappingMethods Predictions_as_mapping = {
+    .mp_length = (lenfunc)Predictions_len,
+};
+
+PyDoc_STRVAR(Predictions_doc,
+             "Predictions(seed=0)\n--\n\n"
+             "The blind window's expiries: (block key, replica slot) -> until (float seconds).\n"
+             "Filled and drained by ``BlockTable.predict`` / ``BlockTable.expire``.");
+
+static PyTypeObject PredictionsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "routing._blocktable.Predictions",
+    .tp_basicsize = sizeof(Predictions),
+    .tp_dealloc = (destructor)Predictions_dealloc,
+    .tp_as_mapping = &Predictions_as_mapping,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = Predictions_doc,
+    .tp_methods = Predictions_methods,
+    .tp_new = Predictions_new,
+};
+
+PyDoc_STRVAR(predict_doc,
+             "predict(predictions, keys, bit, replica, until, masks, /)\n--\n\n"
+             "Record that the replica (mask ``bit``, slot ``replica``) will hold ``keys`` until\n"
+             "``until`` (``routing.index``'s blind window; ``self`` holds the real-or-predicted\n"
+             "masks).  A key whose mask lacks ``bit`` gets it (interned through\n"
+             "``masks.setdefault``) and a prediction; a key the replica holds by an earlier\n"
+             "prediction gets the new ``until``; a key it really holds is left alone.\n\n"
+             "Returns ``(new, tracked)``: keys newly predicted, and the uint64-LE ``bytes``\n"
+             "of the keys whose ``until`` was set (new and extended), for ``expire``.");
+
+static PyObject *
+BlockTable_predict(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!check_nargs("predict", nargs, 6, 6))
+        return NULL;
+    PyObject *bit = args[2], *masks = args[5];
+    uint32_t replica;
+    if (!PyObject_TypeCheck(args[0], &PredictionsType) || !PyLong_CheckExact(bit) || !PyDict_Check(masks)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "predict(predictions: Predictions, keys, bit: int, replica: int, until: float, masks: dict)");
+        return NULL;
+    }
+    if (replica_of(args[3], &replica) < 0)
+        return NULL;
+    double until = PyFloat_AsDouble(args[4]);
+    if (until == -1.0 && PyErr_Occurred())
+        return NULL;
+    Predictions *preds = (Predictions *)args[0];
+    PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence of ints");
+    if (keys == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), fresh = 0, count = 0;
+    PyObject **ks = PySequence_Fast_ITEMS(keys);
+    uint64_t *all = PyMem_Malloc((n ? n : 1) * sizeof(uint64_t));
+    uint64_t *tracked = PyMem_Malloc((n ? n : 1) * sizeof(uint64_t));
+    PyObject *result = NULL;
+    if (all == NULL || tracked == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (key_of(ks[i], &all[i]) < 0)
+            goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n) { /* both tables' slots of a key further on: the misses overlap */
+            uint64_t ahead = all[i + PREFETCH_AHEAD];
+            PREFETCH(&t->slots[(size_t)home_of(ahead, t->seed) & t->capacity_mask]);
+            PREFETCH(&preds->slots[p_home(preds, ahead, replica)]);
+        }
+        uint64_t key = all[i];
+        int held = has_bit(t, key, bit);
+        if (held < 0)
+            goto done;
+        if (held) {
+            size_t at = p_find(preds, key, replica);
+            if (!preds->slots[at].occupied)
+                continue; /* really held */
+            preds->slots[at].until = until;
+        }
+        else {
+            if (or_bit(t, key, bit, masks) < 0 || p_set(preds, key, replica, until) < 0)
+                goto done;
+            fresh++;
+        }
+        tracked[count++] = key;
+    }
+    result = Py_BuildValue("(ny#)", fresh, (const char *)tracked, (Py_ssize_t)(count * sizeof(uint64_t)));
+done:
+    PyMem_Free(all);
+    PyMem_Free(tracked);
+    Py_DECREF(keys);
+    return result;
+}
+
+PyDoc_STRVAR(expire_doc,
+             "expire(predictions, tracked, bit, replica, now, masks, /)\n--\n\n"
+             "Retire the replica's predictions of the keys in ``tracked`` (``predict``'s bytes)\n"
+             "whose ``until`` is at or before ``now``; confirmed, cleared or extended ones are\n"
+             "skipped.  ``bit`` leaves each retired key's mask here.  Returns how many.");
+
+static PyObject *
+BlockTable_expire(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!check_nargs("expire", nargs, 6, 6))
+        return NULL;
+    PyObject *bit = args[2], *masks = args[5];
+    uint32_t replica;
+    if (!PyObject_TypeCheck(args[0], &PredictionsType) || !PyLong_CheckExact(bit) || !PyDict_Check(masks)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "expire(predictions: Predictions, tracked: bytes, bit: int, replica: int, now: float, masks: dict)");
+        return NULL;
+    }
+    if (replica_of(args[3], &replica) < 0)
+        return NULL;
+    double now = PyFloat_AsDouble(args[4]);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
+    Predictions *preds = (Predictions *)args[0];
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *not_bit = NULL, *result = NULL;
+    if (view.len % sizeof(uint64_t) != 0) {
+        PyErr_SetString(PyExc_ValueError, "tracked must hold whole uint64 keys");
+        goto done;
+    }
+    not_bit = PyNumber_Invert(bit);
+    if (not_bit == NULL)
+        goto done;
+    Py_ssize_t n = view.len / (Py_ssize_t)sizeof(uint64_t), expired = 0;
+    const uint64_t *keys = (const uint64_t *)view.buf;
+    for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++)
+        PREFETCH(&preds->slots[p_home(preds, keys[i], replica)]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n) {
+            PREFETCH(&preds->slots[p_home(preds, keys[i + PREFETCH_AHEAD], replica)]);
+            PREFETCH(&t->slots[(size_t)home_of(keys[i + PREFETCH_AHEAD], t->seed) & t->capacity_mask]);
+        }
+        size_t at = p_find(preds, keys[i], replica);
+        if (!preds->slots[at].occupied || preds->slots[at].until > now)
+            continue;
+        p_erase(preds, at);
+        if (clear_bit(t, keys[i], bit, not_bit, masks) < 0)
+            goto done;
+        expired++;
+    }
+    result = PyLong_FromSsize_t(expired);
+done:
+    Py_XDECREF(not_bit);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 static PyMethodDef BlockTable_methods[] = {
     {"get", (PyCFunction)(void (*)(void))BlockTable_get, METH_FASTCALL, get_doc},
     {"pop", (PyCFunction)(void (*)(void))BlockTable_pop, METH_FASTCALL, pop_doc},
@@ -463,6 +1000,9 @@ static PyMethodDef BlockTable_methods[] = {
     {"clear", (PyCFunction)BlockTable_clear, METH_NOARGS, clear_doc},
     {"memory_bytes", (PyCFunction)BlockTable_memory_bytes, METH_NOARGS, memory_bytes_doc},
     {"walk", (PyCFunction)(void (*)(void))BlockTable_walk, METH_FASTCALL, walk_doc},
+    {"store", (PyCFunction)(void (*)(void))BlockTable_store, METH_FASTCALL, store_doc},
+    {"predict", (PyCFunction)(void (*)(void))BlockTable_predict, METH_FASTCALL, predict_doc},
+    {"expire", (PyCFunction)(void (*)(void))BlockTable_expire, METH_FASTCALL, expire_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -511,9 +1051,19 @@ PyInit__blocktable(void)
     PyObject *m = PyModule_Create(&blocktable_module);
     if (m == NULL)
         return NULL;
+    if (PyType_Ready(&PredictionsType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&BlockTableType);
     if (PyModule_AddObject(m, "BlockTable", (PyObject *)&BlockTableType) < 0) {
         Py_DECREF(&BlockTableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&PredictionsType);
+    if (PyModule_AddObject(m, "Predictions", (PyObject *)&PredictionsType) < 0) {
+        Py_DECREF(&PredictionsType);
         Py_DECREF(m);
         return NULL;
     }

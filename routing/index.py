@@ -13,15 +13,19 @@ Data model (each replica owns one bit; bits are recycled by ``remove_replica``):
   object per value), so the walk skips runs of blocks held by the same
   replicas with an identity test.  The table also keeps each key's
   "referenced" flag for eviction (below).
-* ``predicted: key -> mask`` — the bits of ``holders`` that are only
-  predicted (a replica's bit is never both real and predicted for one key).
+* ``predicted: (key, replica slot) -> until`` — the replicas' bits in
+  ``holders`` that are only predicted, with their expiry (a replica's bit is
+  never both real and predicted for one key): a
+  ``routing._blocktable.Predictions`` (C, 24-byte slots).  The per-block
+  loops of ingest (``store``), the walk and the blind window (``predict``,
+  ``expire``) are ``BlockTable`` methods in C; the rest is Python.
 * per replica, ``key_of: engine block hash -> key``, in store order (the
   LRU order used for eviction); ``copies: engine hash -> n`` for blocks the
   engine stored more than once (it does not de-duplicate physical blocks, and
   each copy's eviction sends its own ``BlockRemoved``); ``shared: key -> n``
   when ``n >= 2`` distinct engine hashes map to one key (e.g. a LoRA name
   re-pointed to another path: the engine hash covers the path, our key does
-  not); ``pred_until: key -> expiry`` of its predictions.
+  not).
 
 A ``BlockStored`` names its parent by engine hash; the parent is resolved
 through the replica's ``key_of`` and the event's token ids are chained from
@@ -63,7 +67,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from itertools import islice
 
-from routing._blocktable import BlockTable
+from routing._blocktable import BlockTable, Predictions
 from routing.block_keys import ROOT_SEED, block_keys_from_stored, chain_keys
 from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, EngineBlockHash, KVEvent
 
@@ -114,14 +118,14 @@ class IndexStats:
 class _Replica:
     """Per-replica maps (see the module docstring)."""
 
-    __slots__ = ("bit", "key_of", "copies", "shared", "pred_until")
+    __slots__ = ("bit", "slot", "key_of", "copies", "shared")
 
-    def __init__(self, bit: int) -> None:
-        self.bit = bit
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        self.bit = 1 << slot
         self.key_of: dict[EngineBlockHash, int] = {}
         self.copies: dict[EngineBlockHash, int] = {}
         self.shared: dict[int, int] = {}
-        self.pred_until: dict[int, float] = {}
 
 
 class BlockIndex:
@@ -157,11 +161,11 @@ class BlockIndex:
         self._holders = BlockTable(seed=secrets.randbits(64))
         self._masks: dict[int, int] = {}
         self._intern = self._masks.setdefault
-        self._predicted: dict[int, int] = {}
+        self._predicted = Predictions(seed=secrets.randbits(64))
         self._replicas: dict[str, _Replica] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
-        self._expiry: list[tuple[float, int, str, list[int]]] = []
+        self._expiry: list[tuple[float, int, str, bytes]] = []
         self._expiry_seq = 0
         self._candidate_bits: dict[tuple[str, ...], tuple[int, dict[int, str]]] = {}
 
@@ -176,7 +180,7 @@ class BlockIndex:
         if rs is None:
             slot = heapq.heappop(self._free_slots) if self._free_slots else self._next_slot
             self._next_slot = max(self._next_slot, slot + 1)
-            rs = self._replicas[replica_id] = _Replica(1 << slot)
+            rs = self._replicas[replica_id] = _Replica(slot)
             self._candidate_bits.clear()
         return rs
 
@@ -193,14 +197,10 @@ class BlockIndex:
         clear = ~rs.bit
         for key in rs.key_of.values():
             self._drop_bit(key, clear)
-        predicted = self._predicted
-        for key in rs.pred_until:
-            remaining = predicted.pop(key, 0) & clear
-            if remaining:
-                predicted[key] = remaining
+        for key in self._predicted.clear_replica(rs.slot):
             self._drop_bit(key, clear)
         self._entries -= len(rs.key_of)
-        rs.key_of, rs.copies, rs.shared, rs.pred_until = {}, {}, {}, {}
+        rs.key_of, rs.copies, rs.shared = {}, {}, {}
 
     def remove_replica(self, replica_id: str) -> None:
         """Clear a replica and release its bit (the replica left the cluster)."""
@@ -209,7 +209,7 @@ class BlockIndex:
             return
         self.clear_replica(replica_id)
         del self._replicas[replica_id]
-        heapq.heappush(self._free_slots, rs.bit.bit_length() - 1)
+        heapq.heappush(self._free_slots, rs.slot)
         self._candidate_bits.clear()
 
     def _drop_bit(self, key: int, clear: int) -> None:
@@ -296,26 +296,13 @@ class BlockIndex:
         except (ValueError, TypeError, OverflowError):
             self.stats.malformed_events += 1
             return
-        holders = self._holders
-        get_mask = holders.get
-        set_key = key_of.setdefault
-        intern = self._intern
-        bit = rs.bit
-        only_this = intern(bit, bit)
-        new = len(keys)
-        for eh, key in zip(hashes, keys):
-            if set_key(eh, key) is not key:
-                self._add_copy(rs, eh)  # the engine now holds this block twice
-                new -= 1
-                continue
-            mask = get_mask(key, 0)
-            if not mask:
-                holders[key] = only_this
-            elif mask & bit:
-                self._already_held(rs, key)  # predicted, or another engine hash
-            else:
-                mask |= bit
-                holders[key] = intern(mask, mask)
+        # In C: key_of[eh] = key for new engine hashes, and the replica's bit
+        # or-ed into each new key's (interned) mask.
+        new, copies, held = self._holders.store(hashes, keys, key_of, rs.bit, self._masks)
+        for eh in copies:
+            self._add_copy(rs, eh)  # the engine now holds this block twice
+        for key in held:
+            self._already_held(rs, key)  # predicted, or another engine hash
         self._entries += new
         self.stats.blocks_stored += new
 
@@ -327,10 +314,7 @@ class BlockIndex:
 
     def _already_held(self, rs: _Replica, key: int) -> None:
         """A new engine block whose key the replica's bit already covers."""
-        bit = rs.bit
-        predicted = self._predicted.get(key, 0)
-        if predicted & bit:  # the prediction came true: the bit is real now
-            self._unpredict(rs, key, predicted & ~bit)
+        if self._predicted.discard(key, rs.slot):  # the prediction came true: the bit is real now
             self.stats.predictions_confirmed += 1
         else:
             rs.shared[key] = rs.shared.get(key, 1) + 1
@@ -390,39 +374,15 @@ class BlockIndex:
         """
         self.expire(now)
         rs = self._replica(replica_id)
-        until = now + ttl_s
-        bit = rs.bit
-        holders = self._holders
-        predicted = self._predicted
-        pred_until = rs.pred_until
-        tracked: list[int] = []
-        new = 0
-        for key in keys:
-            mask = holders.get(key, 0)
-            if mask & bit:
-                if key in pred_until:  # predicted before: extend
-                    pred_until[key] = until
-                    tracked.append(key)
-                continue
-            mask |= bit
-            holders[key] = self._intern(mask, mask)
-            predicted[key] = predicted.get(key, 0) | bit
-            pred_until[key] = until
-            tracked.append(key)
-            new += 1
+        until = float(now + ttl_s)
+        # In C: new keys get the bit in holders and predicted, earlier
+        # predictions get the new expiry, really held keys are skipped.
+        new, tracked = self._holders.predict(self._predicted, keys, rs.bit, rs.slot, until, self._masks)
         if tracked:
             self._expiry_seq += 1
             heapq.heappush(self._expiry, (until, self._expiry_seq, replica_id, tracked))
         self.stats.predictions_made += new
         return new
-
-    def _unpredict(self, rs: _Replica, key: int, remaining: int) -> None:
-        """Forget ``rs``'s prediction of ``key``; ``remaining`` = the other replicas' predicted bits."""
-        if remaining:
-            self._predicted[key] = remaining
-        else:
-            del self._predicted[key]
-        del rs.pred_until[key]
 
     def expire(self, now: float) -> int:
         """Retire the predictions whose TTL ended at or before ``now``; returns how many."""
@@ -433,15 +393,8 @@ class BlockIndex:
             rs = self._replicas.get(replica_id)
             if rs is None:
                 continue
-            pred_until = rs.pred_until
-            clear = ~rs.bit
-            for key in keys:
-                until = pred_until.get(key)
-                if until is None or until > now:
-                    continue  # confirmed, cleared, or extended
-                self._unpredict(rs, key, self._predicted.get(key, 0) & clear)
-                self._drop_bit(key, clear)
-                expired += 1
+            # In C; confirmed, cleared and extended predictions are skipped.
+            expired += self._holders.expire(self._predicted, keys, rs.bit, rs.slot, float(now), self._masks)
         self.stats.predictions_expired += expired
         return expired
 
@@ -541,10 +494,10 @@ class BlockIndex:
         def dict_bytes(d: dict) -> int:
             return sys.getsizeof(d) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in d.items())
 
-        total = self._holders.memory_bytes() + dict_bytes(self._predicted) + dict_bytes(self._masks)
+        total = self._holders.memory_bytes() + self._predicted.memory_bytes() + dict_bytes(self._masks)
+        total += sum(len(entry[3]) for entry in self._expiry)
         for rs in self._replicas.values():
             total += dict_bytes(rs.key_of) + dict_bytes(rs.copies) + dict_bytes(rs.shared)
-            total += dict_bytes(rs.pred_until)
         return total
 
     def bytes_per_block(self) -> float:

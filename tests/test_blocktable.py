@@ -245,3 +245,135 @@ def test_chain_loop_errors() -> None:
 
     with pytest.raises(RuntimeError, match="hasher failed"):
         chain_keys(failing, array("I", range(8)), 4, 0, b"")
+
+
+def test_store_folds_blocks_in_like_the_documented_loop() -> None:
+    """``store`` against its definition run on a dict: new keys, other replicas' keys, copies, already held."""
+    rng = random.Random(11)
+    table, model = BlockTable(seed=5), {}
+    masks: dict[int, int] = {}
+    model_masks: dict[int, int] = {}
+    key_of = {b: {} for b in (1, 2, 4)}
+    model_key_of = {b: {} for b in (1, 2, 4)}
+    keys = [rng.getrandbits(64) for _ in range(40)]
+    for _ in range(300):
+        bit = rng.choice((1, 2, 4))
+        n = rng.randrange(0, 6)
+        hashes = [rng.choice((rng.randrange(60), b"h%d" % rng.randrange(60))) for _ in range(n)]
+        batch = [int(str(rng.choice(keys))) for _ in range(n)]  # fresh int objects, as chain_keys makes
+        new, copies, held = table.store(hashes, batch, key_of[bit], bit, masks)
+        want_new, want_copies, want_held = 0, [], []
+        for h, k in zip(hashes, batch):
+            if h in model_key_of[bit]:
+                want_copies.append(h)
+                continue
+            model_key_of[bit][h] = k
+            want_new += 1
+            mask = model.get(k, 0)
+            if mask & bit:
+                want_held.append(k)
+            else:
+                model[k] = model_masks.setdefault(mask | bit, mask | bit)
+        assert (new, copies, held) == (want_new, want_copies, want_held)
+        assert key_of == model_key_of
+        check_same(table, model, keys)
+    assert masks == model_masks
+    for k in keys:  # stored masks are the interned objects
+        if k in table:
+            assert table[k] is masks[table[k]]
+
+
+def test_store_refuses_bad_arguments() -> None:
+    table = BlockTable()
+    for args in (([1], [5], [], 1, {}), ([1], [5], {}, "1", {}), ([1], [5], {}, 1, None), (1, [5], {}, 1, {})):
+        with pytest.raises(TypeError):
+            table.store(*args)
+    key_of: dict = {}
+    with pytest.raises(OverflowError):
+        table.store([1, 2], [5, -5], key_of, 1, {})
+    assert table.get(5) == 1 and len(table) == 1  # the block before the bad key is in, the bad one is not
+    assert key_of == {1: 5}
+
+
+def test_blind_window_predict_and_expire_against_a_model() -> None:
+    """``predict`` / ``expire`` / ``Predictions`` against dicts: (key, replica) -> until, key -> mask."""
+    import struct
+
+    from routing._blocktable import Predictions
+
+    rng = random.Random(21)
+    holders, preds, masks = BlockTable(seed=2), Predictions(seed=3), {}
+    model_masks: dict[int, int] = {}
+    model_until: dict[tuple[int, int], float] = {}
+    keys = [rng.getrandbits(64) for _ in range(30)]
+    for k in keys[:8]:  # really held by replica 0
+        holders[k] = model_masks[k] = 1
+    records: list[tuple[int, bytes]] = []
+    now = 0.0
+    for step in range(400):
+        now += 0.25
+        replica = rng.randrange(3)
+        bit = 1 << replica
+        if rng.random() < 0.6:
+            batch = rng.sample(keys, rng.randrange(1, 8))
+            until = now + rng.choice((0.5, 1.0, 2.0))
+            new, tracked = holders.predict(preds, batch, bit, replica, until, masks)
+            want_new, want_tracked = 0, []
+            for k in batch:
+                if model_masks.get(k, 0) & bit:
+                    if (k, replica) not in model_until:
+                        continue  # really held
+                    model_until[k, replica] = until
+                else:
+                    model_masks[k] = model_masks.get(k, 0) | bit
+                    model_until[k, replica] = until
+                    want_new += 1
+                want_tracked.append(k)
+            assert new == want_new
+            assert list(struct.unpack(f"<{len(tracked) // 8}Q", tracked)) == want_tracked
+            records.append((replica, tracked))
+        elif records:
+            replica, tracked = records.pop(rng.randrange(len(records)))
+            bit = 1 << replica
+            got = holders.expire(preds, tracked, bit, replica, now, masks)
+            want = 0
+            for k in struct.unpack(f"<{len(tracked) // 8}Q", tracked):
+                until = model_until.get((k, replica))
+                if until is None or until > now:
+                    continue
+                del model_until[k, replica]
+                model_masks[k] &= ~bit
+                if not model_masks[k]:
+                    del model_masks[k]
+                want += 1
+            assert got == want
+        assert len(preds) == len(model_until)
+        for k in keys:
+            assert holders.get(k) == model_masks.get(k)
+            for r in range(3):
+                assert preds.until(k, r) == model_until.get((k, r))
+    # A confirmation (discard) and a cleared replica.
+    k, r = next(iter(model_until))
+    assert preds.discard(k, r) and not preds.discard(k, r)
+    del model_until[k, r]
+    gone = sorted(preds.clear_replica(1))
+    assert gone == sorted(k for k, r in model_until if r == 1)
+    assert len(preds) == sum(1 for _, r in model_until if r != 1)
+    assert preds.memory_bytes() >= 24 * len(preds)
+
+
+def test_blind_window_refuses_bad_arguments() -> None:
+    from routing._blocktable import Predictions
+
+    holders, preds = BlockTable(), Predictions()
+    with pytest.raises(TypeError):
+        holders.predict(BlockTable(), [1], 1, 0, 1.0, {})  # not a Predictions
+    with pytest.raises(TypeError):
+        holders.predict(preds, [1], 1, 0, "soon", {})
+    with pytest.raises(OverflowError):
+        holders.predict(preds, [1], 1, -1, 1.0, {})
+    with pytest.raises(ValueError):
+        holders.expire(preds, b"\x00" * 7, 1, 0, 1.0, {})  # not whole uint64 keys
+    with pytest.raises(TypeError):
+        preds.until(1)  # type: ignore[call-arg]
+    assert len(holders) == 0 and len(preds) == 0
