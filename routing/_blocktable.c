@@ -148,6 +148,18 @@ has_bit(BlockTable *t, uint64_t key, PyObject *bit)
 }
 
 /* key's mask |= bit (inserting key if absent), the result interned in `masks`. */
+/* masks.setdefault(m, m) (borrowed), refusing anything but an exact int. */
+static PyObject *
+intern_mask(PyObject *masks, PyObject *m)
+{
+    PyObject *interned = PyDict_SetDefault(masks, m, m);
+    if (interned != NULL && !PyLong_CheckExact(interned)) {
+        PyErr_SetString(PyExc_TypeError, "masks must map ints to themselves");
+        return NULL;
+    }
+    return interned;
+}
+
 static int
 or_bit(BlockTable *t, uint64_t key, PyObject *bit, PyObject *masks)
 {
@@ -156,10 +168,12 @@ or_bit(BlockTable *t, uint64_t key, PyObject *bit, PyObject *masks)
     PyObject *grown = s->value ? PyNumber_Or(SLOT_MASK(s), bit) : Py_NewRef(bit);
     if (grown == NULL)
         return -1;
-    PyObject *interned = PyDict_SetDefault(masks, grown, grown); /* borrowed */
+    PyObject *interned = intern_mask(masks, grown); /* borrowed */
     Py_DECREF(grown);
     if (interned == NULL)
         return -1;
+    j = find(t, key); /* the dict call may have run Python code: look the slot up again */
+    s = &t->slots[j];
     if (!s->value)
         return insert_at(t, j, key, interned);
     PyObject *old = SLOT_MASK(s);
@@ -197,10 +211,14 @@ clear_bit(BlockTable *t, uint64_t key, PyObject *bit, PyObject *not_bit, PyObjec
         Py_DECREF(old);
         return 0;
     }
-    PyObject *interned = PyDict_SetDefault(masks, rest, rest); /* borrowed */
+    PyObject *interned = intern_mask(masks, rest); /* borrowed */
     Py_DECREF(rest);
     if (interned == NULL)
         return -1;
+    s = &t->slots[find(t, key)]; /* the dict call may have run Python code: look the slot up again */
+    if (!s->value)
+        return 0;
+    old = SLOT_MASK(s);
     s->value = (uintptr_t)Py_NewRef(interned) | (s->value & REF_BIT);
     Py_DECREF(old);
     return 0;
@@ -409,12 +427,13 @@ PyDoc_STRVAR(clear_doc, "clear()\n--\n\nRemove every entry.");
 static PyObject *
 BlockTable_clear(BlockTable *t, PyObject *Py_UNUSED(ignored))
 {
+    Slot *fresh = PyMem_Calloc(MIN_CAPACITY, sizeof(Slot));
+    if (fresh == NULL)
+        return PyErr_NoMemory();
     release_all(t);
-    Slot *slots = t->slots;
-    t->slots = NULL;
-    PyMem_Free(slots);
-    if (resize(t, MIN_CAPACITY) < 0)
-        return NULL;
+    PyMem_Free(t->slots);
+    t->slots = fresh;
+    t->capacity_mask = MIN_CAPACITY - 1;
     Py_RETURN_NONE;
 }
 
@@ -442,7 +461,7 @@ BlockTable_walk(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
     if (!check_nargs("walk", nargs, 2, 2))
         return NULL;
     PyObject *alive = args[1];
-    if (!PyLong_Check(alive)) {
+    if (!PyLong_CheckExact(alive)) {
         PyErr_SetString(PyExc_TypeError, "alive must be an int mask");
         return NULL;
     }
@@ -578,10 +597,10 @@ BlockTable_store(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         uint64_t key;
         if (key_of(ks[i], &key) < 0)
             goto done; /* blocks before this one stay folded in */
-        PyObject *was = PyDict_SetDefault(key_of_map, eh[i], ks[i]); /* borrowed */
-        if (was == NULL)
+        Py_ssize_t size_before = PyDict_GET_SIZE(key_of_map);
+        if (PyDict_SetDefault(key_of_map, eh[i], ks[i]) == NULL)
             goto done;
-        if (was != ks[i]) {
+        if (PyDict_GET_SIZE(key_of_map) == size_before) { /* eh was already mapped */
             if (PyList_Append(copies, eh[i]) < 0)
                 goto done;
             continue;
@@ -920,7 +939,7 @@ BlockTable_predict(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
             preds->slots[at].until = until;
         }
         else {
-            if (or_bit(t, key, bit, masks) < 0 || p_set(preds, key, replica, until) < 0)
+            if (p_set(preds, key, replica, until) < 0 || or_bit(t, key, bit, masks) < 0)
                 goto done;
             fresh++;
         }
@@ -962,6 +981,7 @@ BlockTable_expire(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
     if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0)
         return NULL;
     PyObject *not_bit = NULL, *result = NULL;
+    uint64_t *keys = NULL;
     if (view.len % sizeof(uint64_t) != 0) {
         PyErr_SetString(PyExc_ValueError, "tracked must hold whole uint64 keys");
         goto done;
@@ -970,7 +990,12 @@ BlockTable_expire(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
     if (not_bit == NULL)
         goto done;
     Py_ssize_t n = view.len / (Py_ssize_t)sizeof(uint64_t), expired = 0;
-    const uint64_t *keys = (const uint64_t *)view.buf;
+    keys = PyMem_Malloc((n ? n : 1) * sizeof(uint64_t)); /* copied: the buffer need not be 8-byte aligned */
+    if (keys == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(keys, view.buf, (size_t)n * sizeof(uint64_t));
     for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++)
         PREFETCH(&preds->slots[p_home(preds, keys[i], replica)]);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -981,13 +1006,14 @@ BlockTable_expire(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         size_t at = p_find(preds, keys[i], replica);
         if (!preds->slots[at].occupied || preds->slots[at].until > now)
             continue;
-        p_erase(preds, at);
         if (clear_bit(t, keys[i], bit, not_bit, masks) < 0)
             goto done;
+        p_erase(preds, p_find(preds, keys[i], replica)); /* the bit is gone: now the prediction */
         expired++;
     }
     result = PyLong_FromSsize_t(expired);
 done:
+    PyMem_Free(keys);
     Py_XDECREF(not_bit);
     PyBuffer_Release(&view);
     return result;

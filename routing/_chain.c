@@ -68,6 +68,17 @@ chain_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     const char *src = (const char *)view.buf;
     PyObject *key = args[3]; /* borrowed: the seed, then the list's previous item */
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (Py_REFCNT(scratch) != 1 || PyByteArray_GET_SIZE(scratch) != piece + tail.len) {
+            /* the hasher kept or resized the buffer: hash from a fresh one */
+            Py_SETREF(scratch, PyByteArray_FromStringAndSize(NULL, piece + tail.len));
+            if (scratch == NULL) {
+                Py_CLEAR(result);
+                goto done;
+            }
+            dst = PyByteArray_AS_STRING(scratch);
+            if (tail.len)
+                memcpy(dst + piece, tail.buf, (size_t)tail.len);
+        }
         memcpy(dst, src + i * piece, (size_t)piece);
         PyObject *call[2] = {scratch, key};
         PyObject *next = PyObject_Vectorcall(hasher, call, 2, NULL);

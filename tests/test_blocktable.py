@@ -377,3 +377,29 @@ def test_blind_window_refuses_bad_arguments() -> None:
     with pytest.raises(TypeError):
         preds.until(1)  # type: ignore[call-arg]
     assert len(holders) == 0 and len(preds) == 0
+
+
+def test_reentrant_or_odd_callers_cannot_corrupt_the_table() -> None:
+    """Found in review: int subclasses, non-int interned masks, reused key objects, a hasher that resizes its buffer."""
+
+    class Alive(int):
+        def __rand__(self, other):  # would run Python code in the walk
+            raise AssertionError("called")
+
+    table = BlockTable()
+    table[1] = 1
+    with pytest.raises(TypeError):
+        table.walk([1], Alive(1))
+    with pytest.raises(TypeError):
+        table.store([b"h"], [5], {}, 1, {1: 1.0})  # an interned "mask" that is not an int
+    assert 5 not in table
+    key_of: dict = {}
+    assert table.store([b"a"], [7], key_of, 2, {}) == (1, [], [])
+    assert table.store([b"a"], [7], key_of, 2, {}) == (0, [b"a"], [])  # same key object again: a copy
+
+    def resizing(data, seed):
+        data.extend(b"xx")  # the scratch buffer grows under the loop
+        return xxhash.xxh3_64_intdigest(bytes(data[:-2]), seed)
+
+    tokens = array("I", range(12))
+    assert chain_keys(resizing, tokens, 4, 0, b"") == chain_keys(xxhash.xxh3_64_intdigest, tokens, 4, 0, b"")
