@@ -9,7 +9,11 @@
  * probe touches one cache line instead of a dict's index, entry and key
  * object (about three cache misses a lookup in a dict of 10^5 int keys).
  * walk() runs a prompt's whole lookup in C and prefetches the slots of the
- * keys ahead of the one being compared.
+ * keys ahead of the one being compared; store() folds one BlockStored in.
+ *
+ * Predictions maps (block key, replica slot) to the expiry of that replica's
+ * blind-window prediction (24-byte slots, same probing); BlockTable.predict()
+ * and BlockTable.expire() keep it and the masks in step.
  *
  * Slots are placed by fmix64(key ^ seed) (MurmurHash3's 64-bit finaliser);
  * the caller passes a random seed so that prompts cannot be crafted to pile
