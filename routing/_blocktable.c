@@ -882,6 +882,27 @@ static PyTypeObject PredictionsType = {
     .tp_new = Predictions_new,
 };
 
+/* The arguments predict() and expire() share: (predictions, _, bit, replica, seconds, masks). */
+static int
+window_args(const char *name, PyObject *const *args, Py_ssize_t nargs, Predictions **preds, uint32_t *replica,
+            double *seconds)
+{
+    if (!check_nargs(name, nargs, 6, 6))
+        return -1;
+    if (!PyObject_TypeCheck(args[0], &PredictionsType) || !PyLong_CheckExact(args[2]) || !PyDict_Check(args[5])) {
+        PyErr_Format(PyExc_TypeError, "%s(predictions: Predictions, keys, bit: int, replica: int, time: float, "
+                     "masks: dict)", name);
+        return -1;
+    }
+    if (replica_of(args[3], replica) < 0)
+        return -1;
+    *seconds = PyFloat_AsDouble(args[4]);
+    if (*seconds == -1.0 && PyErr_Occurred())
+        return -1;
+    *preds = (Predictions *)args[0];
+    return 0;
+}
+
 PyDoc_STRVAR(predict_doc,
              "predict(predictions, keys, bit, replica, until, masks, /)\n--\n\n"
              "Record that the replica (mask ``bit``, slot ``replica``) will hold ``keys`` until\n"
@@ -895,21 +916,12 @@ PyDoc_STRVAR(predict_doc,
 static PyObject *
 BlockTable_predict(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (!check_nargs("predict", nargs, 6, 6))
+    Predictions *preds;
+    uint32_t replica;
+    double until;
+    if (window_args("predict", args, nargs, &preds, &replica, &until) < 0)
         return NULL;
     PyObject *bit = args[2], *masks = args[5];
-    uint32_t replica;
-    if (!PyObject_TypeCheck(args[0], &PredictionsType) || !PyLong_CheckExact(bit) || !PyDict_Check(masks)) {
-        PyErr_SetString(PyExc_TypeError,
-                        "predict(predictions: Predictions, keys, bit: int, replica: int, until: float, masks: dict)");
-        return NULL;
-    }
-    if (replica_of(args[3], &replica) < 0)
-        return NULL;
-    double until = PyFloat_AsDouble(args[4]);
-    if (until == -1.0 && PyErr_Occurred())
-        return NULL;
-    Predictions *preds = (Predictions *)args[0];
     PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence of ints");
     if (keys == NULL)
         return NULL;
@@ -966,21 +978,12 @@ PyDoc_STRVAR(expire_doc,
 static PyObject *
 BlockTable_expire(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (!check_nargs("expire", nargs, 6, 6))
+    Predictions *preds;
+    uint32_t replica;
+    double now;
+    if (window_args("expire", args, nargs, &preds, &replica, &now) < 0)
         return NULL;
     PyObject *bit = args[2], *masks = args[5];
-    uint32_t replica;
-    if (!PyObject_TypeCheck(args[0], &PredictionsType) || !PyLong_CheckExact(bit) || !PyDict_Check(masks)) {
-        PyErr_SetString(PyExc_TypeError,
-                        "expire(predictions: Predictions, tracked: bytes, bit: int, replica: int, now: float, masks: dict)");
-        return NULL;
-    }
-    if (replica_of(args[3], &replica) < 0)
-        return NULL;
-    double now = PyFloat_AsDouble(args[4]);
-    if (now == -1.0 && PyErr_Occurred())
-        return NULL;
-    Predictions *preds = (Predictions *)args[0];
     Py_buffer view;
     if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0)
         return NULL;
