@@ -337,23 +337,18 @@ def main(argv: list[str] | None = None) -> dict:
                 f" blocks: {r['blocks_per_s']:,.0f} stored blocks/s (first pass: {r['first_pass_blocks_per_s']:,.0f})",
                 flush=True,
             )
-        by_block_size[str(bs)] = {}
-        for name, size in sizes.items():
-            r = by_block_size[str(bs)][name] = bench_lookup(index, docs, bs, size, counts[name], blind_window=False)
-            print(
-                f"lookup {name:>3} tokens, block_size {bs}: p50 {r['p50']:7.1f} us  p99 {r['p99']:7.1f} us"
-                f"  (longest match {r['longest_match_fraction']:.0%} of the prompt)",
-                flush=True,
-            )
-        # Last: it leaves blind-window predictions in the index.
-        blind_by_block_size[str(bs)] = {}
-        for name, size in sizes.items():
-            r = blind_by_block_size[str(bs)][name] = bench_lookup(index, docs, bs, size, counts[name], blind_window=True)
-            print(
-                f"  with the blind window at {1 / REQUEST_INTERVAL_S:.0f} requests/s: lookup p50 {r['p50']:7.1f} us"
-                f"  p99 {r['p99']:7.1f} us; routed p50 {r['routed_p50']:7.1f} us  p99 {r['routed_p99']:7.1f} us",
-                flush=True,
-            )
+        # The blind-window runs go last: they leave predictions in the index.
+        for blind_window, results in ((False, by_block_size), (True, blind_by_block_size)):
+            results[str(bs)] = {}
+            for name, size in sizes.items():
+                r = results[str(bs)][name] = bench_lookup(index, docs, bs, size, counts[name], blind_window)
+                line = f"lookup {name:>3} tokens, block_size {bs}: p50 {r['p50']:7.1f} us  p99 {r['p99']:7.1f} us"
+                if blind_window:
+                    line += (f"  with the blind window at {1 / REQUEST_INTERVAL_S:.0f} requests/s;"
+                             f"  routed p50 {r['routed_p50']:7.1f} us  p99 {r['routed_p99']:7.1f} us")
+                else:
+                    line += f"  (longest match {r['longest_match_fraction']:.0%} of the prompt)"
+                print(line, flush=True)
         del index
     traced, estimate, n = bench_memory(16, int(400 * scale))
     print(f"index memory: {traced:.0f} bytes/block (tracemalloc), {estimate:.0f} (index estimate), {n} blocks")
