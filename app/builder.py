@@ -52,9 +52,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         engine_options["ray_actor_options"] = {"num_cpus": er.num_cpus, "num_gpus": 0}
     else:
         engine_options["ray_actor_options"] = {"num_cpus": er.num_cpus, "num_gpus": er.num_gpus}
-    engine = VLLMEngine.options(**engine_options).bind(
-        cfg.resolved_model(), cfg.engine.model_dump(), cfg.served_model_name, cfg.tracing.model_dump()
-    )
+    engine = VLLMEngine.options(**engine_options).bind(cfg.model_dump())
     ir = cfg.ingress_replicas
     return OpenAIIngress.options(
         num_replicas=ir.num_replicas,

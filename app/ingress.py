@@ -1,53 +1,71 @@
-"""OpenAI-compatible ingress deployment.
+"""OpenAI-compatible ingress deployment: routing glue in front of vLLM's serving layer.
 
-HTTP routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with
-``stream: true`` as server-sent events), ``GET /v1/models``, ``GET /health``.
-Request bodies are validated with vLLM's own protocol models; the prompt is
-tokenized once here (chat template + tokenizer) and sent to an engine replica as
-token ids through the engine ``DeploymentHandle``, whose request router picks the
-replica.
+The engine replicas answer with vLLM's own OpenAI serving classes (``app.frontend``),
+so every request parameter vLLM supports behaves as on vLLM's server and every
+answer is vLLM's own. This deployment only:
+
+1. validates the body with vLLM's request model (``ChatCompletionRequest`` /
+   ``CompletionRequest``) and checks the model name (base model or a configured
+   LoRA adapter);
+2. renders and tokenizes the prompt once, with vLLM's renderer (the same chat
+   template, tokenizer and tool parser as the engines: same ids);
+3. forwards those ids with the request, so the engine does not tokenize again
+   (chat: ``kv_transfer_params["prompt_token_ids"]``, which vLLM's chat serving
+   takes instead of rendering; completions: the ids become the prompt), and
+   sends it through the engine ``DeploymentHandle``, whose prefix-affinity
+   request router reads the ids to pick the replica;
+4. passes vLLM's answer back untouched: JSON, or the SSE stream as vLLM wrote it,
+   recording metrics and the request span on the way.
+
+HTTP routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream:
+true`` gives server-sent events), ``POST /tokenize`` and ``POST /detokenize``
+(also under ``/v1/``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``,
+``GET /metrics/engines``, ``GET /debug/routing``, ``GET /debug/routing/decisions/{id}``.
 
 Python handles (from another Ray app, ``serve.get_app_handle("prefix-serve")``):
 
-- ``await handle.chat.remote(body)`` -> ``ChatCompletionResponse``
+- ``await handle.chat.remote(body)`` -> vLLM's ``ChatCompletionResponse``
 - ``handle.options(stream=True).chat_stream.remote(body)`` -> async iterator of
   ``ChatCompletionStreamResponse``
 - ``await handle.completions.remote(body)`` / ``completions_stream`` likewise.
 
-``body`` is a dict in the OpenAI request shape or vLLM's request model.
-Invalid input raises ``OpenAIError`` (a 4xx status and OpenAI's error JSON over HTTP).
+``body`` is a dict in the OpenAI request shape or vLLM's request model. Errors
+raise ``OpenAIError`` carrying vLLM's status, type, message and param.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from array import array
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from array import array
+from collections.abc import AsyncIterator
 from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import auth, metrics, tracing
 from app.config import AppArgs
 from app.errors import OpenAIError, error_body
-from app.protocol import EngineOutput, EngineRequest
+from app.protocol import EngineRequest, EngineSummary, FirstOutput
 
 logger = logging.getLogger("prefix_serve.ingress")
 
 fastapi_app = FastAPI(title="prefix-serve", description="OpenAI-compatible API with prefix-cache-aware routing")
 
-# Errors that mean the chosen engine replica is gone; a request that produced no
-# output yet is sent again (the router then picks a live replica).
+# Errors that mean the chosen engine replica is gone; a request whose answer has
+# not started yet is sent again (the router then picks a live replica).
 _RETRYABLE = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ReplicaUnavailableError")
 _MAX_ATTEMPTS = 3
+_CHAT, _COMPLETION = "chat", "completions"
+_SPAN_OPERATION = {_CHAT: "chat", _COMPLETION: "text_completion"}
+_ID_PREFIX = {_CHAT: "chatcmpl", _COMPLETION: "cmpl"}  # vLLM's response id prefixes
+_DONE = "data: [DONE]\n\n"
 
 
 @fastapi_app.exception_handler(OpenAIError)
@@ -75,11 +93,6 @@ async def _require_api_key(request: Request, call_next):
     return await call_next(request)
 
 
-def _sse(obj: Any) -> str:
-    data = obj.model_dump_json(exclude_unset=False, exclude_none=True) if hasattr(obj, "model_dump_json") else json.dumps(obj)
-    return f"data: {data}\n\n"
-
-
 def _tell_routers_first_token(request_id: str) -> None:
     """Tell this process's prefix-affinity routers that ``request_id`` has its first output.
 
@@ -94,7 +107,7 @@ def _tell_routers_first_token(request_id: str) -> None:
         logger.exception("router first-token bookkeeping failed")
 
 
-def _caused_by_replica_loss(e: BaseException) -> bool:
+def _caused_by_replica_loss(e: BaseException | None) -> bool:
     seen = 0
     while e is not None and seen < 5:
         if type(e).__name__ in _RETRYABLE:
@@ -104,55 +117,59 @@ def _caused_by_replica_loss(e: BaseException) -> bool:
     return False
 
 
+def _error_response(message: str | Exception, status: int = 400, err_type: str = "BadRequestError",
+                    param: str | None = None):
+    """vLLM's ``ErrorResponse``; an exception is mapped to its status as vLLM's server maps it."""
+    from http import HTTPStatus
+
+    from vllm.entrypoints.serve import create_error_response
+
+    return create_error_response(message, err_type, HTTPStatus(status), param)
+
+
+def _raise(err) -> None:
+    """Raise vLLM's ``ErrorResponse`` as ``OpenAIError`` (for handle callers)."""
+    e = err.error
+    raise OpenAIError(e.message, e.code, e.type, e.param)
+
+
 def _validate(model_cls, body: Any):
+    """``body`` as vLLM's request model, or vLLM's ``ErrorResponse`` (400) naming the field."""
     from pydantic import ValidationError
-    from vllm.exceptions import VLLMClientError
+    from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
 
     if isinstance(body, model_cls):
         return body
     if not isinstance(body, dict):
-        raise OpenAIError("request body must be a JSON object", 400)
+        return _error_response("request body must be a JSON object")
     try:
         return model_cls.model_validate(body)
     except ValidationError as e:
         first = e.errors()[0]
-        # pydantic's loc also names the union member or constraint it tried
-        # ("list[constrained-int]", "function-after[...]"): keep field names and indexes.
-        loc = ".".join(str(p) for p in first.get("loc", ()) if not any(c in str(p) for c in "[]()-"))
-        raise OpenAIError(f"{loc}: {first.get('msg')}" if loc else str(first.get("msg")), 400, param=loc or None) from None
-    except (ValueError, VLLMClientError) as e:
-        raise OpenAIError(str(e), 400, param=getattr(e, "parameter", None)) from None
-    except (TypeError, KeyError, AttributeError, IndexError) as e:
-        # vLLM's "before" validators assume well-formed shapes (e.g. iterate
-        # `messages`); on malformed client data they raise these instead.
-        raise OpenAIError(f"malformed request body: {type(e).__name__}: {e}", 400) from None
+        cause = (first.get("ctx") or {}).get("error")
+        param = getattr(cause, "parameter", None) or clean_loc_for_param(tuple(first.get("loc", ()))) or None
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return _error_response(message, param=param)
+    except Exception as e:  # vLLM's "before" validators raise on malformed shapes
+        return _error_response(f"malformed request body: {type(e).__name__}: {e}")
 
 
-def _usage(last: EngineOutput):
-    from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo, UsageInfo
-
-    return UsageInfo(
-        prompt_tokens=last.num_prompt_tokens,
-        completion_tokens=last.num_output_tokens,
-        total_tokens=last.num_prompt_tokens + last.num_output_tokens,
-        prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=last.num_cached_tokens),
-    )
+def _is_error_event(chunk: str) -> bool:
+    return chunk.startswith('data: {"error"')
 
 
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(fastapi_app)
 class OpenAIIngress:
-    """Validates, tokenizes and forwards requests to the engine deployment."""
+    """Validates, renders once and forwards requests to the engine deployment."""
 
     def __init__(self, engine: DeploymentHandle, args: dict[str, Any]):
-        from transformers import AutoTokenizer
+        from app.frontend import Renderer
 
         self.args = AppArgs.model_validate(args)
         self.engine = engine
         self.model_name = self.args.served_model_name
-        self.max_model_len = self.args.engine.max_model_len
-        self.tokenizer = AutoTokenizer.from_pretrained(self.args.resolved_tokenizer())
-        self.vocab_size = len(self.tokenizer)
+        self.renderer = Renderer(self.args)
         tracing.setup_tracing(self.args.tracing, "ingress")
         auth.configure(self.args.api_key_env,
                        frozenset({"/metrics", "/metrics/engines"}) if self.args.metrics_public else frozenset())
@@ -166,16 +183,12 @@ class OpenAIIngress:
     @fastapi_app.get("/debug/routing")
     async def debug_routing(self) -> dict[str, Any]:
         """Index and event-path state of every request router in this ingress process."""
-        from app.metrics import ROUTERS
-
-        return {"routers": [r.snapshot() for r in list(ROUTERS)]}
+        return {"routers": [r.snapshot() for r in list(metrics.ROUTERS)]}
 
     @fastapi_app.get("/debug/routing/decisions/{request_id}")
     async def debug_decision(self, request_id: str) -> dict[str, Any]:
         """How the request with this response ``id`` was routed (recent requests only)."""
-        from app.metrics import ROUTERS
-
-        for router in list(ROUTERS):
+        for router in list(metrics.ROUTERS):
             decision = router.decisions.get(request_id)
             if decision is not None:
                 return decision
@@ -183,10 +196,14 @@ class OpenAIIngress:
 
     @fastapi_app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
+        """vLLM's model list: the base model, then the configured LoRA adapters."""
+        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelPermission
 
-        card = ModelCard(id=self.model_name, root=self.args.model, max_model_len=self.max_model_len, owned_by="prefix-serve")
-        return ModelList(data=[card]).model_dump()
+        listing = await self.renderer.registry.show_available_models()
+        listing.data.extend(
+            ModelCard(id=lora.lora_name, root=lora.lora_path, parent=self.model_name, permission=[ModelPermission()])
+            for lora in self.renderer.registry.lora_requests.values())
+        return listing.model_dump()
 
     @fastapi_app.get("/metrics")
     async def prometheus_metrics(self):
@@ -206,147 +223,294 @@ class OpenAIIngress:
             targets.update(router.engine_metrics_targets())
         return [{"targets": [hostport], "labels": {"replica": uid}} for uid, hostport in sorted(targets.items())]
 
+    @fastapi_app.post("/tokenize")
+    @fastapi_app.post("/v1/tokenize")
+    async def http_tokenize(self, request: Request):
+        """vLLM's ``/tokenize`` (completion or chat shape), answered by vLLM's ``ServingTokenization``."""
+        from pydantic import TypeAdapter
+        from vllm.entrypoints.serve.tokenize.protocol import TokenizeRequest
+
+        return await self._tokenization(request, TypeAdapter(TokenizeRequest), "create_tokenize")
+
+    @fastapi_app.post("/detokenize")
+    @fastapi_app.post("/v1/detokenize")
+    async def http_detokenize(self, request: Request):
+        """vLLM's ``/detokenize``, answered by vLLM's ``ServingTokenization``."""
+        from pydantic import TypeAdapter
+        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest
+
+        return await self._tokenization(request, TypeAdapter(DetokenizeRequest), "create_detokenize")
+
+    async def _tokenization(self, request: Request, adapter, method: str):
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        body = await self._read_json(request)
+        try:
+            req = adapter.validate_python(body)
+        except Exception as e:  # pydantic's error, or a malformed shape in a "before" validator
+            result = _error_response(f"invalid request: {e}".splitlines()[0])
+        else:
+            try:
+                result = await getattr(self.renderer.tokenization, method)(req, request)
+            except Exception as e:  # noqa: BLE001 - vLLM's server maps every error the same way
+                result = _error_response(e)
+        status = result.error.code if isinstance(result, ErrorResponse) else 200
+        return JSONResponse(result.model_dump(), status_code=status)
+
     @fastapi_app.post("/v1/chat/completions")
     async def http_chat(self, request: Request):
-        return await self._http(request, "/v1/chat/completions", self.chat, self.chat_stream)
+        return await self._http(request, _CHAT, "/v1/chat/completions")
 
     @fastapi_app.post("/v1/completions")
     async def http_completions(self, request: Request):
-        return await self._http(request, "/v1/completions", self.completions, self.completions_stream)
+        return await self._http(request, _COMPLETION, "/v1/completions")
 
-    async def _http(self, request: Request, route: str, unary, stream):
+    async def _http(self, request: Request, kind: str, route: str):
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
         headers = {k: request.headers[k] for k in ("traceparent", "tracestate") if k in request.headers}
         try:
             body = await self._read_json(request)
-            if body.get("stream"):
-                response = await self._sse_response(stream(body, trace_headers=headers))
-            else:
-                response = JSONResponse((await unary(body, trace_headers=headers)).model_dump(exclude_none=True))
         except OpenAIError as e:
             metrics.REQUESTS.labels(route=route, status=str(e.status)).inc()
             raise
-        except Exception:
+        answer = self._answer(kind, body, headers)
+        try:
+            first = await answer.__anext__()
+        except BaseException:
             metrics.REQUESTS.labels(route=route, status="500").inc()
             raise
-        metrics.REQUESTS.labels(route=route, status="200").inc()
-        return response
+        if not isinstance(first, str):  # vLLM's response model or ErrorResponse: no stream
+            async for _ in answer:  # the engine's summary: metrics and the span
+                pass
+            status = first.error.code if isinstance(first, ErrorResponse) else 200
+            metrics.REQUESTS.labels(route=route, status=str(status)).inc()
+            return JSONResponse(first.model_dump(), status_code=status)
+
+        async def stream() -> AsyncIterator[str]:
+            status = "200"
+            try:
+                if _is_error_event(first):
+                    status = "error_event"
+                yield first
+                async for chunk in answer:
+                    if _is_error_event(chunk):
+                        status = "error_event"
+                    yield chunk
+            except Exception as e:  # the engine replica died mid-stream: end with an error event
+                status = "503"
+                logger.warning("stream ended by error: %s", e)
+                yield f"data: {json.dumps(error_body(f'engine error: {type(e).__name__}', 503))}\n\n"
+                yield _DONE
+            finally:
+                metrics.REQUESTS.labels(route=route, status=status).inc()
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
 
     # --------------------------------------------------------- handle-callable API
 
     async def chat(self, body: Any, trace_headers: dict[str, str] | None = None):
         """Unary chat completion. ``body``: dict or ``ChatCompletionRequest``;
-        ``trace_headers``: optional W3C ``traceparent``/``tracestate`` of the caller."""
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionResponse,
-            ChatCompletionResponseChoice,
-            ChatMessage,
-        )
-
-        with self._span("chat", trace_headers) as span:
-            with self._current(span):
-                req = self._parse_chat(body)
-                ereq = self._engine_request_chat(req)
-            text, last = await self._collect(ereq, span)
-        return ChatCompletionResponse(
-            id=ereq.request_id,
-            model=self.model_name,
-            choices=[
-                ChatCompletionResponseChoice(
-                    index=0,
-                    message=ChatMessage(role="assistant", content=text),
-                    finish_reason=last.finish_reason,
-                    stop_reason=last.stop_reason,
-                )
-            ],
-            usage=_usage(last),
-        )
+        ``trace_headers``: optional W3C ``traceparent``/``tracestate`` of the caller.
+        Returns vLLM's ``ChatCompletionResponse``; raises ``OpenAIError``."""
+        return await self._unary(_CHAT, body, trace_headers)
 
     async def chat_stream(self, body: Any, trace_headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
-        """Streamed chat completion: yields ``ChatCompletionStreamResponse`` chunks."""
-        from vllm.entrypoints.generate.base.protocol import DeltaMessage
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionResponseStreamChoice,
-            ChatCompletionStreamResponse,
-        )
+        """Streamed chat completion: yields vLLM's ``ChatCompletionStreamResponse`` chunks."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionStreamResponse
 
-        with self._span("chat", trace_headers) as span:
-            with self._current(span):
-                req = self._parse_chat(body)
-                ereq = self._engine_request_chat(req)
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            created = int(time.time())
-            first = True
-            last: EngineOutput | None = None
-            async for out in self._generate(ereq, span):
-                last = out
-                if not out.text and out.finish_reason is None:
-                    continue
-                delta = DeltaMessage(role="assistant", content=out.text) if first else DeltaMessage(content=out.text)
-                first = False
-                yield ChatCompletionStreamResponse(
-                    id=ereq.request_id, created=created, model=self.model_name,
-                    choices=[ChatCompletionResponseStreamChoice(
-                        index=0, delta=delta, finish_reason=out.finish_reason, stop_reason=out.stop_reason)],
-                )
-            if include_usage and last is not None:
-                yield ChatCompletionStreamResponse(
-                    id=ereq.request_id, created=created, model=self.model_name, choices=[], usage=_usage(last))
+        async for chunk in self._chunks(_CHAT, body, trace_headers, ChatCompletionStreamResponse):
+            yield chunk
 
     async def completions(self, body: Any, trace_headers: dict[str, str] | None = None):
-        """Unary text completion. ``body``: dict or ``CompletionRequest``."""
-        from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice
-
-        with self._span("text_completion", trace_headers) as span:
-            with self._current(span):
-                req = self._parse_completion(body)
-                ereq = self._engine_request_completion(req)
-            text, last = await self._collect(ereq, span)
-        return CompletionResponse(
-            id=ereq.request_id, model=self.model_name,
-            choices=[CompletionResponseChoice(index=0, text=text, finish_reason=last.finish_reason, stop_reason=last.stop_reason)],
-            usage=_usage(last),
-        )
+        """Unary text completion. ``body``: dict or ``CompletionRequest``. Returns vLLM's
+        ``CompletionResponse``; raises ``OpenAIError``."""
+        return await self._unary(_COMPLETION, body, trace_headers)
 
     async def completions_stream(self, body: Any, trace_headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
-        """Streamed text completion: yields ``CompletionStreamResponse`` chunks."""
-        from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
+        """Streamed text completion: yields vLLM's ``CompletionStreamResponse`` chunks."""
+        from vllm.entrypoints.openai.completion.protocol import CompletionStreamResponse
 
-        with self._span("text_completion", trace_headers) as span:
-            with self._current(span):
-                req = self._parse_completion(body)
-                ereq = self._engine_request_completion(req)
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            created = int(time.time())
-            last: EngineOutput | None = None
-            async for out in self._generate(ereq, span):
-                last = out
-                if not out.text and out.finish_reason is None:
-                    continue
-                yield CompletionStreamResponse(
-                    id=ereq.request_id, created=created, model=self.model_name,
-                    choices=[CompletionResponseStreamChoice(
-                        index=0, text=out.text, finish_reason=out.finish_reason, stop_reason=out.stop_reason)],
-                )
-            if include_usage and last is not None:
-                yield CompletionStreamResponse(
-                    id=ereq.request_id, created=created, model=self.model_name, choices=[], usage=_usage(last))
+        async for chunk in self._chunks(_COMPLETION, body, trace_headers, CompletionStreamResponse):
+            yield chunk
+
+    async def _unary(self, kind: str, body: Any, trace_headers: dict[str, str] | None):
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        result = None
+        async for item in self._answer(kind, body, trace_headers, stream=False):
+            result = item if result is None else result
+        if isinstance(result, ErrorResponse):
+            _raise(result)
+        return result
+
+    async def _chunks(self, kind: str, body: Any, trace_headers: dict[str, str] | None, chunk_cls) -> AsyncIterator[Any]:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        async for item in self._answer(kind, body, trace_headers, stream=True):
+            if isinstance(item, ErrorResponse):
+                _raise(item)
+            data = item[len("data: "):].strip()
+            if data == "[DONE]":
+                return
+            if _is_error_event(item):
+                _raise(ErrorResponse.model_validate_json(data))
+            yield chunk_cls.model_validate_json(data)
 
     # ------------------------------------------------------------------- internals
 
+    async def _answer(self, kind: str, body: Any, trace_headers: dict[str, str] | None,
+                      stream: bool | None = None) -> AsyncIterator[Any]:
+        """vLLM's answer to one request: an ``ErrorResponse``, one response model, or
+        SSE strings. ``stream`` overrides the body's ``stream`` (handle methods)."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        with self._span(kind, trace_headers) as span:
+            with self._current(span):
+                prepared = await self._prepare(kind, body, stream)
+            if isinstance(prepared, ErrorResponse):
+                span.set_attribute("error.type", str(prepared.error.code))
+                yield prepared
+                return
+            async for item in self._engine_answer(kind, prepared, span):
+                yield item
+
+    async def _prepare(self, kind: str, body: Any, stream: bool | None):
+        """Validate, check the model, render once; the ``EngineRequest`` or an ``ErrorResponse``."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        req = _validate(ChatCompletionRequest if kind == _CHAT else CompletionRequest, body)
+        if isinstance(req, ErrorResponse):
+            return req
+        if stream is not None:
+            req.stream = stream
+        try:
+            checked = await self.renderer.tokenization._check_model(req)  # vLLM's own model check and message
+        except Exception as e:  # noqa: BLE001
+            checked = _error_response(e)
+        if checked is not None:
+            return checked
+        with tracing.tracer().start_as_current_span("prefix_serve.tokenize") as span:
+            prompts = await self._render(kind, req)
+            if isinstance(prompts, ErrorResponse):
+                return prompts
+            span.set_attribute("gen_ai.usage.input_tokens", sum(len(p) for p in prompts))
+        ids = prompts[0] if prompts else []
+        if kind == _CHAT:
+            if ids and not req.echo:
+                req.kv_transfer_params = {**(req.kv_transfer_params or {}), "prompt_token_ids": ids}
+        elif prompts and all(prompts) and not req.echo and req.suffix is None and req.prompt_embeds is None:
+            req.prompt = ids if len(prompts) == 1 else prompts
+        lora = req.model if req.model in self.renderer.registry.lora_requests else None
+        return EngineRequest(
+            request_id=f"{_ID_PREFIX[kind]}-{req.request_id}",
+            prompt_token_ids=array("I", ids),
+            body=req,
+            cache_salt=req.cache_salt,
+            lora_name=lora,
+            trace_headers=tracing.inject(),
+        )
+
+    async def _render(self, kind: str, req) -> list[list[int]] | Any:
+        """The prompts' token ids as the engine would render them, or vLLM's ``ErrorResponse``.
+
+        Chat rendering runs on a copy: vLLM's tool parsers adjust the request in
+        place, and the engine's serving layer must see the client's request.
+        """
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        online = self.renderer.online
+        try:
+            if kind == _CHAT:
+                result = await online.render_chat(req.model_copy(deep=True))
+                inputs = result if isinstance(result, ErrorResponse) else result[1]
+            else:
+                inputs = await online.render_completion(req)
+        except Exception as e:  # noqa: BLE001 - vLLM's server maps every error the same way
+            return _error_response(e)
+        if isinstance(inputs, ErrorResponse):
+            return inputs
+        return [list(i.get("prompt_token_ids") or ()) for i in inputs]
+
+    async def _engine_answer(self, kind: str, ereq: EngineRequest, span) -> AsyncIterator[Any]:
+        """vLLM's answer from an engine replica, with TTFT/ITL/E2E and usage recorded."""
+        started = time.perf_counter()
+        previous: float | None = None
+        summary: EngineSummary | None = None
+        streaming = bool(ereq.body.stream)
+        async for item in self._engine_items(kind, ereq):
+            now = time.perf_counter()
+            if isinstance(item, FirstOutput):
+                _tell_routers_first_token(ereq.request_id)
+                if streaming:
+                    metrics.TTFT_SECONDS.observe(now - started)
+                    span.set_attribute("prefix_serve.ttft_s", now - started)
+                continue
+            if isinstance(item, EngineSummary):
+                summary = item
+                continue
+            if streaming and isinstance(item, str) and previous is not None:
+                metrics.ITL_SECONDS.observe(now - previous)
+            previous = now
+            yield item
+        e2e = time.perf_counter() - started
+        metrics.E2E_SECONDS.observe(e2e)
+        if summary is not None:
+            if not streaming and summary.ttft_s >= 0:
+                # The ingress sees a unary answer only at its end: its TTFT is this
+                # side's time less the engine's time after the first token.
+                ttft = max(0.0, e2e - (summary.e2e_s - summary.ttft_s))
+                metrics.TTFT_SECONDS.observe(ttft)
+                span.set_attribute("prefix_serve.ttft_s", ttft)
+            metrics.INGRESS_PROMPT_TOKENS.inc(summary.prompt_tokens)
+            metrics.INGRESS_CACHED_TOKENS.inc(summary.cached_tokens)
+            metrics.INGRESS_OUTPUT_TOKENS.inc(summary.output_tokens)
+            span.set_attributes({
+                "gen_ai.response.id": ereq.request_id,
+                "gen_ai.usage.input_tokens": summary.prompt_tokens,
+                "gen_ai.usage.output_tokens": summary.output_tokens,
+                "prefix_serve.cached_tokens": summary.cached_tokens,
+                "prefix_serve.replica_id": summary.replica_id,
+            })
+            if summary.finish_reasons:
+                span.set_attribute("gen_ai.response.finish_reasons", summary.finish_reasons)
+
+    async def _engine_items(self, kind: str, ereq: EngineRequest) -> AsyncIterator[Any]:
+        """Stream one request's items from an engine replica; resend it on replica
+        loss while nothing of its answer has been passed on."""
+        base_id = ereq.request_id
+        for attempt in range(1, _MAX_ATTEMPTS + 1):
+            answered = False
+            try:
+                gen = getattr(self.engine.options(stream=True), kind).remote(ereq)
+                async for item in gen:
+                    answered = answered or not isinstance(item, (FirstOutput, EngineSummary))
+                    yield item
+                return
+            except Exception as e:
+                if answered or attempt == _MAX_ATTEMPTS or not _caused_by_replica_loss(e):
+                    raise
+                logger.warning("engine replica lost before the answer started (%s); attempt %d",
+                               type(e).__name__, attempt)
+                ereq.request_id = f"{base_id}~{attempt}"
+
     @contextmanager
-    def _span(self, operation: str, trace_headers: dict[str, str] | None) -> Iterator[Any]:
+    def _span(self, kind: str, trace_headers: dict[str, str] | None):
         """The request span (GenAI semantic conventions), child of the caller's trace if any.
 
         The span is ended (with the exception recorded, if any) when the block
         exits, but it is *not* made the current span for the whole block: a
         streaming generator resumes in the response's task, where a context
-        attached in the handler's task cannot be detached.  Callers make it
-        current with :meth:`_current` around the synchronous setup (parsing,
-        tokenizing, building the engine request, which carries it on to the
-        router and the engine).
+        attached in the handler's task cannot be detached. Callers make it
+        current with :meth:`_current` around the setup (parsing, rendering,
+        building the engine request, which carries it on to the router and the
+        engine).
         """
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
+        operation = _SPAN_OPERATION[kind]
         parent = tracing.extract(trace_headers) if trace_headers else None
         span = tracing.tracer().start_span(
             f"{operation} {self.model_name}", context=parent, kind=SpanKind.SERVER,
@@ -364,11 +528,17 @@ class OpenAIIngress:
             span.end()
 
     @staticmethod
+    @contextmanager
     def _current(span: Any):
-        """``span`` as the current span for a block without ``await``/``yield`` handing over tasks."""
+        """``span`` as the current span for a block that runs within one task."""
+        from opentelemetry import context as otel_context
         from opentelemetry import trace
 
-        return trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
+        token = otel_context.attach(trace.set_span_in_context(span))
+        try:
+            yield span
+        finally:
+            otel_context.detach(token)
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         limit = self.args.max_request_body_bytes
@@ -385,198 +555,3 @@ class OpenAIIngress:
         if not isinstance(body, dict):
             raise OpenAIError("request body must be a JSON object", 400)
         return body
-
-    async def _sse_response(self, gen: AsyncIterator[Any]) -> StreamingResponse | JSONResponse:
-        # Pull the first chunk before answering so that validation and routing
-        # errors still get their status code instead of a 200 stream.
-        try:
-            first = await gen.__anext__()
-        except StopAsyncIteration:
-            first = None
-
-        async def body():
-            try:
-                if first is not None:
-                    yield _sse(first)
-                async for chunk in gen:
-                    yield _sse(chunk)
-            except OpenAIError as e:
-                yield f"data: {json.dumps(e.body())}\n\n"
-            except Exception as e:  # engine died mid-stream: end the stream with an error event
-                logger.warning("stream ended by error: %s", e)
-                yield f"data: {json.dumps(error_body(f'engine error: {type(e).__name__}', 503))}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(body(), media_type="text/event-stream")
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise OpenAIError(f"The model `{model}` does not exist. Available: `{self.model_name}`.", 404, param="model")
-
-    def _parse_chat(self, body: Any):
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-        req = _validate(ChatCompletionRequest, body)
-        self._check_model(req.model)
-        if not req.messages:
-            raise OpenAIError("`messages` must contain at least one message", 400, param="messages")
-        return req
-
-    def _parse_completion(self, body: Any):
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-
-        req = _validate(CompletionRequest, body)
-        self._check_model(req.model)
-        return req
-
-    def _chat_token_ids(self, req) -> list[int]:
-        messages = []
-        for i, m in enumerate(req.messages):
-            m = dict(m)
-            content = m.get("content")
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    part = dict(part)
-                    if part.get("type") != "text":
-                        raise OpenAIError(f"messages[{i}]: only text content is supported", 400, param="messages")
-                    parts.append(str(part.get("text", "")))
-                content = "".join(parts)
-            elif content is None:
-                content = ""
-            elif not isinstance(content, str):
-                raise OpenAIError(f"messages[{i}].content must be a string or a list of text parts", 400, param="messages")
-            role = m.get("role")
-            if not isinstance(role, str) or not role:
-                raise OpenAIError(f"messages[{i}].role is required", 400, param="messages")
-            messages.append({"role": role, "content": content})
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def _completion_token_ids(self, req) -> list[int]:
-        prompt = req.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise OpenAIError("`prompt` must not be empty", 400, param="prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise OpenAIError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", 400, param="prompt")
-            return list(prompt)
-        if isinstance(prompt, list) and len(prompt) > 1:
-            raise OpenAIError("batched prompts are not supported: send one prompt per request", 400, param="prompt")
-        raise OpenAIError("`prompt` must be a non-empty string or a non-empty list of token ids", 400, param="prompt")
-
-    def _engine_request(self, req, prompt_ids: list[int], prefix: str) -> EngineRequest:
-        if getattr(req, "n", 1) not in (None, 1):
-            raise OpenAIError("only n=1 is supported", 400, param="n")
-        if getattr(req, "use_beam_search", False):
-            raise OpenAIError("beam search is not supported", 400, param="use_beam_search")
-        n_prompt = len(prompt_ids)
-        if n_prompt >= self.max_model_len:
-            raise OpenAIError(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, your prompt has {n_prompt} tokens.", 400,
-                param="messages" if prefix == "chatcmpl" else "prompt")
-        requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        if requested is None:
-            max_tokens = self.max_model_len - n_prompt
-        else:
-            if requested < 1:
-                raise OpenAIError(f"max_tokens must be at least 1, got {requested}", 400, param="max_tokens")
-            if n_prompt + requested > self.max_model_len:
-                raise OpenAIError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                    f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} in the completion).",
-                    400, param="max_tokens")
-            max_tokens = requested
-        try:
-            params = req.to_sampling_params(max_tokens, {})
-        except ValueError as e:
-            raise OpenAIError(str(e), 400) from None
-        return EngineRequest(
-            request_id=f"{prefix}-{uuid.uuid4().hex}",
-            prompt_token_ids=array("I", prompt_ids),
-            sampling_params=params,
-            cache_salt=req.cache_salt,
-            trace_headers=tracing.inject(),
-        )
-
-    def _engine_request_chat(self, req) -> EngineRequest:
-        with tracing.tracer().start_as_current_span("prefix_serve.tokenize") as span:
-            ids = self._chat_token_ids(req)
-            span.set_attribute("gen_ai.usage.input_tokens", len(ids))
-        return self._engine_request(req, ids, "chatcmpl")
-
-    def _engine_request_completion(self, req) -> EngineRequest:
-        with tracing.tracer().start_as_current_span("prefix_serve.tokenize") as span:
-            ids = self._completion_token_ids(req)
-            span.set_attribute("gen_ai.usage.input_tokens", len(ids))
-        return self._engine_request(req, ids, "cmpl")
-
-    async def _generate(self, ereq: EngineRequest, span=None) -> AsyncIterator[EngineOutput]:
-        """Stream from an engine replica, recording TTFT/ITL/E2E and usage on ``span``."""
-        started = time.perf_counter()
-        previous = None
-        last: EngineOutput | None = None
-        async for out in self._generate_with_retry(ereq):
-            now = time.perf_counter()
-            if last is None:  # the engine answered: the prompt is prefilled
-                _tell_routers_first_token(ereq.request_id)
-            if out.token_ids:
-                if previous is None:
-                    metrics.TTFT_SECONDS.observe(now - started)
-                    if span is not None:
-                        span.set_attribute("prefix_serve.ttft_s", now - started)
-                else:
-                    metrics.ITL_SECONDS.observe(now - previous)
-                previous = now
-            last = out
-            yield out
-        metrics.E2E_SECONDS.observe(time.perf_counter() - started)
-        if last is not None:
-            metrics.INGRESS_PROMPT_TOKENS.inc(last.num_prompt_tokens)
-            metrics.INGRESS_CACHED_TOKENS.inc(last.num_cached_tokens)
-            metrics.INGRESS_OUTPUT_TOKENS.inc(last.num_output_tokens)
-            if span is not None:
-                span.set_attributes({
-                    "gen_ai.response.id": ereq.request_id,
-                    "gen_ai.usage.input_tokens": last.num_prompt_tokens,
-                    "gen_ai.usage.output_tokens": last.num_output_tokens,
-                    "prefix_serve.cached_tokens": last.num_cached_tokens,
-                    "prefix_serve.replica_id": last.replica_id,
-                })
-                if last.finish_reason:
-                    span.set_attribute("gen_ai.response.finish_reasons", [last.finish_reason])
-
-    async def _generate_with_retry(self, ereq: EngineRequest) -> AsyncIterator[EngineOutput]:
-        """Stream from an engine replica; resend on replica loss before any output."""
-        for attempt in range(1, _MAX_ATTEMPTS + 1):
-            produced = False
-            try:
-                gen = self.engine.options(stream=True).generate.remote(ereq)
-                async for out in gen:
-                    produced = True
-                    yield out
-                return
-            except Exception as e:
-                if produced or attempt == _MAX_ATTEMPTS or not _caused_by_replica_loss(e):
-                    if isinstance(e, ValueError):
-                        raise OpenAIError(str(e), 400) from None
-                    raise
-                logger.warning("engine replica lost before first output (%s); attempt %d", type(e).__name__, attempt)
-                ereq.request_id = f"{ereq.request_id.split('~')[0]}~{attempt}"
-
-    async def _collect(self, ereq: EngineRequest, span=None) -> tuple[str, EngineOutput]:
-        parts: list[str] = []
-        last: EngineOutput | None = None
-        async for out in self._generate(ereq, span):
-            parts.append(out.text)
-            last = out
-        if last is None:
-            raise OpenAIError("the engine returned no output", 500)
-        return "".join(parts), last
-

@@ -1,9 +1,19 @@
 """What the ingress sends to an engine replica and what comes back.
 
-These are the arguments of ``VLLMEngine.generate`` as seen through a Serve
-``DeploymentHandle``; the request router reads ``EngineRequest`` (token ids,
-``cache_salt``, LoRA name) to compute the request's block keys. They are plain
-dataclasses so a router process can read them without importing vLLM.
+``EngineRequest`` is the argument of ``VLLMEngine.chat`` / ``VLLMEngine.completions``
+as seen through a Serve ``DeploymentHandle``: vLLM's own request model plus what
+the request router reads to compute the request's block keys (token ids,
+``cache_salt``, LoRA name). The engine streams back, in order:
+
+- ``FirstOutput`` once, when the engine produced its first output (the prompt is
+  prefilled): the ingress times TTFT and releases the router's queued-prefill
+  accounting there, for unary requests too;
+- vLLM's answer, untouched: SSE strings (``"data: {...}\\n\\n"``, the last one
+  ``"data: [DONE]\\n\\n"``) for a stream, else one response model, or one
+  ``ErrorResponse``;
+- ``EngineSummary`` last: the engine's own token counts, for metrics and spans.
+
+They are plain dataclasses so a router process can read them without importing vLLM.
 """
 
 from __future__ import annotations
@@ -22,19 +32,23 @@ STAT_NUM_WAITING = "num_waiting"
 STAT_KV_USAGE = "kv_cache_usage"
 STAT_STARTED_AT = "engine_started_at"
 STAT_METRICS_TARGET = "metrics_target"  # host:port of the replica's Prometheus endpoint
+STAT_LORA_ADAPTERS = "lora_adapters"  # names of the adapters loaded in the engine
 
 
 @dataclass(slots=True)
 class EngineRequest:
-    """One generation request, already tokenized by the ingress.
+    """One OpenAI request, rendered and tokenized once by the ingress.
 
     Attributes:
-        request_id: unique id, also used as vLLM's request id.
-        prompt_token_ids: the full prompt (chat template applied), shape ``[n_prompt]``,
-            as ``array('I')``: compact to send between processes and read by the
-            router's block-key hashing without conversion.
-        sampling_params: a ``vllm.SamplingParams`` built by the ingress (kept as
-            ``Any`` so this module does not import vLLM).
+        request_id: the router's id of this attempt (the response ``id``, with
+            ``~<attempt>`` appended when resent after a replica loss).
+        prompt_token_ids: the (first) prompt as the engine will see it, shape
+            ``[n_prompt]``, as ``array('I')``: compact to send between processes
+            and read by the router's block-key hashing without conversion.
+        body: vLLM's ``ChatCompletionRequest`` or ``CompletionRequest`` carrying
+            the same ids (chat: ``kv_transfer_params["prompt_token_ids"]``;
+            completions: the prompt itself). Kept as ``Any`` so this module does
+            not import vLLM. ``None`` for a request built only to be routed.
         cache_salt: tenant salt; blocks under different salts never match.
         lora_name: LoRA adapter name, or None for the base model.
         trace_headers: W3C trace-context headers (``traceparent``/``tracestate``).
@@ -42,27 +56,33 @@ class EngineRequest:
 
     request_id: str
     prompt_token_ids: array
-    sampling_params: Any
+    body: Any = None
     cache_salt: str | None = None
     lora_name: str | None = None
     trace_headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
-class EngineOutput:
-    """One streamed delta from an engine replica.
+class FirstOutput:
+    """The engine produced the request's first output; its prompt is prefilled."""
 
-    ``text``/``token_ids`` are the new output since the previous delta. Counts are
-    cumulative for the request. ``num_cached_tokens`` is the engine's own count of
-    prompt tokens served from the prefix cache.
+    replica_id: str
+
+
+@dataclass(slots=True)
+class EngineSummary:
+    """The engine's own counts for one request, summed over its prompts and choices.
+
+    ``cached_tokens`` is the engine's count of prompt tokens served from its prefix
+    cache; ``finish_reasons`` holds one entry per finished choice. ``ttft_s`` is
+    vLLM's first-token latency of the (first) prompt, from its arrival in the
+    engine (-1: unknown); ``e2e_s`` the time the replica spent on the request.
     """
 
-    request_id: str
     replica_id: str
-    text: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+    ttft_s: float = -1.0
+    e2e_s: float = 0.0

@@ -1,0 +1,324 @@
+"""The app answers as vLLM's own OpenAI server does: the same requests to both, side by side.
+
+vLLM's server (``python -m vllm.entrypoints.openai.api_server``) runs beside the
+app on the same tiny model with the same engine and serving arguments (those of
+``serve_config.yaml``). Every request goes to both; each pair of answers must have
+the same status class and the same shape (choices, logprobs, tool calls, usage
+on chunks, the prompt's token count), and, where decoding is deterministic
+(greedy, or a fixed ``seed``), the same text. vLLM's benchmark client
+(``vllm.benchmarks.serve``) then runs against the app and must see no failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import REPO, default_config, start_app, stop_all
+
+pytestmark = pytest.mark.engine
+
+VLLM_PORT = int(os.environ.get("PREFIX_SERVE_TEST_VLLM_PORT", "18100"))
+VLLM_URL = f"http://127.0.0.1:{VLLM_PORT}"
+MODEL = "tiny-qwen2"
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+LONG_TEXT = "The library opens at nine and closes at five on weekdays. " * 6
+
+
+def vllm_server_command() -> list[str]:
+    """vLLM's server with the engine and serving arguments of ``serve_config.yaml``."""
+    args = default_config()["args"]
+    engine, serving = args["engine"], args.get("serving", {})
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(REPO / args["model"]),
+           "--served-model-name", args["served_model_name"], "--host", "127.0.0.1", "--port", str(VLLM_PORT),
+           "--block-size", str(engine["block_size"]), "--max-model-len", str(engine["max_model_len"]),
+           "--gpu-memory-utilization", str(engine["gpu_memory_utilization"]),
+           "--num-gpu-blocks-override", str(engine["num_gpu_blocks_override"]),
+           "--max-num-seqs", str(engine["max_num_seqs"]), "--enable-prefix-caching", "--enforce-eager",
+           "--seed", "0", "--enable-prompt-tokens-details"]
+    if serving.get("enable_auto_tool_choice"):
+        cmd.append("--enable-auto-tool-choice")
+    if serving.get("tool_call_parser"):
+        cmd += ["--tool-call-parser", serving["tool_call_parser"]]
+    return cmd
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    log = open(tmp_path_factory.mktemp("vllm") / "server.log", "w")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.Popen(vllm_server_command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    try:
+        app = start_app({"engine_replicas": {"num_replicas": 1}}, name="prefix-serve")
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, f"vLLM's server exited ({proc.returncode}); see {log.name}"
+            try:
+                if httpx.get(f"{VLLM_URL}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "vLLM's server did not start"
+            time.sleep(1)
+        # A longer prompt first: a fresh CPU engine may die on a tiny first prompt (SIGILL).
+        warm = {"model": MODEL, "prompt": LONG_TEXT, "max_tokens": 1}
+        assert httpx.post(f"{VLLM_URL}/v1/completions", json=warm, timeout=120).status_code == 200
+        yield app.base_url, VLLM_URL
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        stop_all()
+
+
+def _post(base: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """Status and the parsed answer: a JSON object, or the list of SSE events of a stream."""
+    # json.dumps escapes non-ASCII, so a lone surrogate travels as the JSON escape "\ud83d".
+    with httpx.stream("POST", f"{base}{path}", content=json.dumps(body), timeout=180,
+                      headers={"content-type": "application/json"}) as r:
+        raw = r.read().decode()
+        if r.headers.get("content-type", "").startswith("text/event-stream"):
+            events = [line[len("data: "):] for line in raw.splitlines() if line.startswith("data: ")]
+            return r.status_code, [e if e == "[DONE]" else json.loads(e) for e in events]
+        return r.status_code, json.loads(raw)
+
+
+def _logprobs_shape(lp: Any) -> Any:
+    if lp is None:
+        return None
+    if "content" in lp:  # chat
+        content = lp["content"] or []
+        return ("chat", len(content), [len(t.get("top_logprobs") or []) for t in content])
+    return ("completion", len(lp.get("tokens") or []), [len(t or {}) for t in lp.get("top_logprobs") or []])
+
+
+def unary_shape(answer: dict[str, Any], deterministic: bool) -> dict[str, Any]:
+    """What must agree between two unary answers, text aside. Without deterministic
+    decoding, lengths and finish reasons may differ; the structure may not."""
+    choices = []
+    for c in answer["choices"]:
+        msg = c.get("message") or {}
+        lp = _logprobs_shape(c.get("logprobs"))
+        choices.append({
+            "index": c["index"], "role": msg.get("role"),
+            "finish_reason": c["finish_reason"] if deterministic else None,
+            "logprobs": lp if deterministic or lp is None else lp[0],
+            "tool_calls": [t["function"]["name"] for t in msg.get("tool_calls") or []] if deterministic else None,
+        })
+    usage = answer["usage"]
+    counted = ("prompt_tokens", "completion_tokens", "total_tokens") if deterministic else ("prompt_tokens",)
+    return {"object": answer["object"], "choices": choices, "usage": {k: usage[k] for k in counted},
+            "has_cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") is not None}
+
+
+def unary_text(answer: dict[str, Any]) -> list[Any]:
+    out = []
+    for c in answer["choices"]:
+        msg = c.get("message")
+        if msg is None:
+            out.append(c["text"])
+        else:
+            out.append((msg.get("content"), [(t["function"]["name"], t["function"]["arguments"])
+                                             for t in msg.get("tool_calls") or []]))
+    return out
+
+
+def stream_shape(events: list[Any], deterministic: bool) -> dict[str, Any]:
+    """What must agree between two streams, text aside: choices, finish reasons, usage on chunks
+    (counts and finish reasons only under deterministic decoding)."""
+    assert events[-1] == "[DONE]", events[-3:]
+    chunks = [e for e in events[:-1]]
+    indices = sorted({c["index"] for e in chunks for c in e.get("choices", [])})
+    finish = {c["index"]: c["finish_reason"] for e in chunks for c in e.get("choices", []) if c.get("finish_reason")}
+    with_usage = [e for e in chunks if e.get("usage")]
+    counted = ("prompt_tokens", "completion_tokens") if deterministic else ("prompt_tokens",)
+    content_chunks = [e for e in chunks if e.get("choices")]
+    return {"object": chunks[0]["object"], "indices": indices, "finish": finish if deterministic else None,
+            "usage_on_every_content_chunk": bool(content_chunks) and all(e.get("usage") for e in content_chunks),
+            "usage_only_chunks": sum(1 for e in with_usage if not e.get("choices")),
+            "final_usage": {k: with_usage[-1]["usage"][k] for k in counted} if with_usage else None,
+            "errors": [e for e in chunks if "error" in e]}
+
+
+def stream_text(events: list[Any]) -> dict[int, str]:
+    text: dict[int, str] = {}
+    for e in events[:-1]:
+        for c in e.get("choices", []):
+            piece = (c.get("delta") or {}).get("content") if "delta" in c else c.get("text")
+            text[c["index"]] = text.get(c["index"], "") + (piece or "")
+    return text
+
+
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+
+
+def chat(content: str = LONG_TEXT, **kw) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0, **kw}
+
+
+def cmpl(prompt: Any = LONG_TEXT, **kw) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, **kw}
+
+
+# (id, path, body, deterministic text?)
+CASES = [
+    ("chat_greedy", CHAT, chat(), True),
+    # vLLM refuses n > 1 under greedy decoding: sample, with a seed for deterministic text.
+    ("chat_n2", CHAT, chat(n=2, temperature=1.0, seed=11), True),
+    ("chat_n2_sampled", CHAT, chat(n=2, temperature=1.0), False),
+    ("chat_n2_stream", CHAT, chat(n=2, temperature=1.0, seed=12, stream=True), True),
+    ("cmpl_n3", CMPL, cmpl(n=3, temperature=0.8, seed=13), True),
+    ("cmpl_n3_stream", CMPL, cmpl(n=3, temperature=0.8, seed=14, stream=True, stream_options={"include_usage": True}), True),
+    ("cmpl_prompt_list_n2", CMPL, cmpl(["one", "two", "three"], n=2, temperature=1.0, seed=15, max_tokens=3), True),
+    ("cmpl_prompt_list", CMPL, cmpl(["hello there", LONG_TEXT, "a b c d"]), True),
+    ("cmpl_token_prompt_list", CMPL, cmpl([[11, 12, 13, 14], [15, 16]]), True),
+    ("cmpl_logprobs", CMPL, cmpl(logprobs=3), True),
+    ("chat_logprobs", CHAT, chat(logprobs=True, top_logprobs=2), True),
+    ("chat_logprobs_stream", CHAT, chat(logprobs=True, top_logprobs=2, stream=True), True),
+    ("cmpl_echo", CMPL, cmpl("echo this text", echo=True, max_tokens=3), True),
+    ("cmpl_echo_logprobs", CMPL, cmpl("echo this text", echo=True, logprobs=1, max_tokens=3), True),
+    ("chat_echo", CHAT, chat(echo=True, stream=True, max_tokens=3), True),
+    ("cmpl_stop", CMPL, cmpl(stop=["e", "a"], max_tokens=12), True),
+    ("chat_stop_stream", CHAT, chat(stop=[" "], max_tokens=12, stream=True), True),
+    ("cmpl_seed", CMPL, cmpl(temperature=1.0, seed=1234, max_tokens=8), True),
+    ("chat_seed_n2", CHAT, chat(temperature=1.0, seed=7, n=2, max_tokens=8), True),
+    ("chat_continue_final_message", CHAT,
+     {"model": MODEL, "messages": [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "One, two,"}],
+      "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 6, "temperature": 0}, True),
+    ("chat_tools_auto", CHAT, chat("What is the weather in Paris?", tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=24), True),
+    # Seeded sampling: on this random-weight model, greedy decoding loops inside the arguments.
+    ("chat_tools_required", CHAT, chat("What is the weather in Paris?", tools=[WEATHER_TOOL], tool_choice="required",
+                                       max_tokens=100, temperature=1.0, seed=1), True),
+    ("chat_tools_named", CHAT, chat("What is the weather in Paris?", tools=[WEATHER_TOOL], max_tokens=100,
+                                    temperature=1.0, seed=1,
+                                    tool_choice={"type": "function", "function": {"name": "get_weather"}}), True),
+    ("chat_tools_required_stream", CHAT, chat("Weather in Rome?", tools=[WEATHER_TOOL], tool_choice="required",
+                                              max_tokens=80, stream=True), False),
+    ("chat_json_object", CHAT, chat(response_format={"type": "json_object"}, max_tokens=16), True),
+    ("chat_json_schema", CHAT, chat(max_tokens=40, response_format={"type": "json_schema", "json_schema": {
+        "name": "city", "schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}), True),
+    ("chat_max_completion_tokens", CHAT, chat(max_completion_tokens=3), True),
+    ("chat_continuous_usage", CHAT, chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}), True),
+    ("cmpl_continuous_usage", CMPL, cmpl(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}), True),
+    # Bad values: 0, negative, huge, wrong types, unknown model, too long.
+    ("bad_max_completion_tokens_0", CHAT, chat(max_completion_tokens=0), False),
+    ("bad_max_tokens_0", CMPL, cmpl(max_tokens=0), False),
+    ("bad_max_tokens_negative", CHAT, chat(max_tokens=-1), False),
+    ("bad_max_tokens_huge", CHAT, chat(max_tokens=10**9), False),
+    ("bad_max_tokens_type", CMPL, cmpl(max_tokens="six"), False),
+    ("bad_n_0", CHAT, chat(n=0), False),
+    ("bad_n2_greedy", CHAT, chat(n=2), False),
+    ("bad_temperature_negative", CMPL, cmpl(temperature=-1), False),
+    ("bad_top_logprobs_huge", CHAT, chat(logprobs=True, top_logprobs=10**6), False),
+    ("bad_logprobs_type", CMPL, cmpl(logprobs="many"), False),
+    ("bad_messages_type", CHAT, {"model": MODEL, "messages": "hello"}, False),
+    ("bad_messages_empty", CHAT, {"model": MODEL, "messages": []}, False),
+    ("bad_prompt_empty", CMPL, cmpl(""), False),
+    ("bad_token_negative", CMPL, cmpl([11, -3]), False),
+    ("bad_token_outside_vocab", CMPL, cmpl([11, 10**7]), False),
+    ("bad_prompt_too_long", CMPL, cmpl([11] * 4096), False),
+    ("bad_model", CHAT, {**chat(), "model": "gpt-0"}, False),
+    ("bad_tool_choice_unknown_tool", CHAT, chat(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}), False),
+    ("bad_stop_type", CMPL, cmpl(stop=7), False),
+    ("bad_text_lone_surrogate", CHAT, chat("broken \ud83d"), False),
+]
+
+
+@pytest.mark.parametrize("name, path, body, deterministic", CASES, ids=[c[0] for c in CASES])
+def test_same_answer_as_vllms_server(servers, name, path, body, deterministic):
+    app_url, vllm_url = servers
+    ours_status, ours = _post(app_url, path, body)
+    ref_status, ref = _post(vllm_url, path, body)
+    assert (ref_status >= 400) == name.startswith("bad_"), (ref_status, ref)  # each case tests what it names
+    assert ours_status // 100 == ref_status // 100, (ours_status, ours, ref_status, ref)
+    if ref_status >= 400:
+        assert ours_status == ref_status, (ours, ref)
+        assert set(ours["error"]) >= {"message", "type", "code"} and ours["error"]["code"] == ours_status
+        return
+    if isinstance(ref, list):
+        assert isinstance(ours, list), ours
+        assert stream_shape(ours, deterministic) == stream_shape(ref, deterministic)
+        if deterministic:
+            assert stream_text(ours) == stream_text(ref)
+    else:
+        assert unary_shape(ours, deterministic) == unary_shape(ref, deterministic)
+        if deterministic:
+            assert unary_text(ours) == unary_text(ref)
+
+
+def test_features_do_what_they_say(servers):
+    """Independent checks of the answers themselves (not only agreement with vLLM)."""
+    app_url, _ = servers
+    _, a = _post(app_url, CMPL, cmpl("echo this text", echo=True, max_tokens=2))
+    assert a["choices"][0]["text"].startswith("echo this text")
+    _, a = _post(app_url, CHAT, chat(n=2, temperature=1.0, seed=3))
+    assert [c["index"] for c in a["choices"]] == [0, 1]
+    _, a = _post(app_url, CMPL, cmpl(["one", "two", "three"], n=2, temperature=1.0, max_tokens=2))
+    assert [c["index"] for c in a["choices"]] == list(range(6))
+    _, a = _post(app_url, CHAT, chat("What is the weather in Paris?", tools=[WEATHER_TOOL], tool_choice="required",
+                                     max_tokens=100, temperature=1.0, seed=1))
+    assert a["choices"][0]["finish_reason"] == "tool_calls"
+    call = a["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "get_weather"
+    _, a = _post(app_url, CHAT, chat(logprobs=True, top_logprobs=3, max_tokens=4))
+    content = a["choices"][0]["logprobs"]["content"]
+    assert len(content) == a["usage"]["completion_tokens"] and all(len(t["top_logprobs"]) == 3 for t in content)
+    _, events = _post(app_url, CMPL, cmpl(max_tokens=4, stream=True,
+                                          stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    content_chunks = [e for e in events[:-1] if e["choices"]]
+    assert content_chunks and all(e.get("usage") for e in content_chunks)
+
+
+def test_tokenize_and_detokenize_as_vllm(servers, tokenizer):
+    app_url, vllm_url = servers
+    for path, body in [("/tokenize", {"model": MODEL, "prompt": "hello there friend"}),
+                       ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
+                       ("/detokenize", {"model": MODEL, "tokens": [802, 267, 262]})]:
+        ours = httpx.post(f"{app_url}{path}", json=body, timeout=30)
+        ref = httpx.post(f"{vllm_url}{path}", json=body, timeout=30)
+        assert ours.status_code == ref.status_code == 200
+        assert ours.json() == ref.json()
+    r = httpx.post(f"{app_url}/v1/tokenize", json={"model": MODEL, "prompt": "hello there friend"}, timeout=30)
+    assert r.json()["tokens"] == tokenizer.encode("hello there friend")
+    bad = httpx.post(f"{app_url}/tokenize", json={"model": "gpt-0", "prompt": "x"}, timeout=30)
+    assert bad.status_code == 404
+
+
+def test_chat_prompt_ids_are_forwarded_once_and_counted(servers, tokenizer):
+    """The engine serves the ingress's ids: prompt_tokens equals the template's token count."""
+    app_url, _ = servers
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Name a colour."}]
+    _, a = _post(app_url, CHAT, {"model": MODEL, "messages": messages, "max_tokens": 2})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert a["usage"]["prompt_tokens"] == len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_vllm_benchmark_client_completes_against_the_app(servers, tmp_path):
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    app_url, _ = servers
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args([
+        "--backend", "openai", "--base-url", app_url, "--endpoint", "/v1/completions", "--model", MODEL,
+        "--tokenizer", str(REPO / "models" / "tiny-qwen2"), "--dataset-name", "random",
+        "--random-input-len", "64", "--random-output-len", "8", "--num-prompts", "20", "--seed", "0",
+        "--result-dir", str(tmp_path),
+    ])
+    result = main(args)
+    assert result["completed"] == 20
+    assert result["failed"] == 0
