@@ -30,10 +30,16 @@ ifeq ($(EXTRA),cpu)
 endif
 	touch $(STAMP)
 
-model: $(MODEL_DIR)/model.safetensors
+LORA_DIR := models/tiny-qwen2-lora
+
+model: $(MODEL_DIR)/model.safetensors $(LORA_DIR)/adapter_model.safetensors
 
 $(MODEL_DIR)/model.safetensors: | $(STAMP)
 	$(PY) -m infra.tiny_model --out $(MODEL_DIR)
+
+# A tiny LoRA adapter of the tiny model (the API tests serve it beside the base model).
+$(LORA_DIR)/adapter_model.safetensors: $(MODEL_DIR)/model.safetensors
+	$(PY) -m infra.tiny_lora --out $(LORA_DIR) --base $(MODEL_DIR)
 
 serve: install model
 	$(VENV)/bin/serve run serve_config.yaml

@@ -1,8 +1,12 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a status.
 
-The shape is OpenAI's (and vLLM's ``ErrorResponse``): ``type`` is
-``invalid_request_error`` for 4xx caused by the client, ``authentication_error``
-for 401, ``not_found_error`` for an unknown model, ``server_error`` for 5xx.
+The shape is OpenAI's and vLLM's ``ErrorResponse``. Most errors are vLLM's own
+(its serving layer answers every request); the ones this app raises itself (body
+not JSON or too large, missing API key, unknown debug id, a lost engine replica)
+use vLLM's names for ``type`` (``vllm.entrypoints.serve.create_error_response``):
+``BadRequestError`` (4xx caused by the client), ``AuthenticationError`` (401),
+``NotFoundError`` (404), ``RateLimitError`` (429), ``ServiceUnavailableError`` (503)
+and ``InternalServerError`` (other 5xx).
 """
 
 from __future__ import annotations
@@ -29,14 +33,16 @@ class OpenAIError(Exception):
 
 def _default_type(status: int) -> str:
     if status == 401:
-        return "authentication_error"
+        return "AuthenticationError"
     if status == 404:
-        return "not_found_error"
+        return "NotFoundError"
     if status == 429:
-        return "rate_limit_error"
+        return "RateLimitError"
+    if status == 503:
+        return "ServiceUnavailableError"
     if status >= 500:
-        return "server_error"
-    return "invalid_request_error"
+        return "InternalServerError"
+    return "BadRequestError"
 
 
 def error_body(message: str, status: int, err_type: str | None = None, param: str | None = None) -> dict[str, Any]:

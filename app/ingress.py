@@ -150,8 +150,11 @@ def _validate(model_cls, body: Any):
         param = getattr(cause, "parameter", None) or clean_loc_for_param(tuple(first.get("loc", ()))) or None
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
         return _error_response(message, param=param)
-    except Exception as e:  # vLLM's "before" validators raise on malformed shapes
-        return _error_response(f"malformed request body: {type(e).__name__}: {e}")
+    except Exception as e:  # vLLM's "before" validators raise their own errors, or fail on malformed shapes
+        err = _error_response(e)
+        if err.error.code >= 500:  # not an error vLLM maps to the client: still the client's input
+            err = _error_response(f"malformed request body: {type(e).__name__}: {e}")
+        return err
 
 
 def _is_error_event(chunk: str) -> bool:
@@ -411,6 +414,7 @@ class OpenAIIngress:
             cache_salt=req.cache_salt,
             lora_name=lora,
             trace_headers=tracing.inject(),
+            block_size=self.args.engine.block_size,
         )
 
     async def _render(self, kind: str, req) -> list[list[int]] | Any:

@@ -52,6 +52,9 @@ class EngineRequest:
         cache_salt: tenant salt; blocks under different salts never match.
         lora_name: LoRA adapter name, or None for the base model.
         trace_headers: W3C trace-context headers (``traceparent``/``tracestate``).
+        block_size: the engines' KV block size in tokens, from the app config
+            (0: unknown), so a router scores requests before the engines'
+            routing stats first arrive.
     """
 
     request_id: str
@@ -60,6 +63,7 @@ class EngineRequest:
     cache_salt: str | None = None
     lora_name: str | None = None
     trace_headers: dict[str, str] = field(default_factory=dict)
+    block_size: int = 0
 
 
 @dataclass(slots=True)

@@ -41,7 +41,7 @@ from app import metrics, tracing
 from app import protocol as stats_keys
 from app.config import RouterConfig
 from app.protocol import EngineRequest
-from routing.affinity import Candidate
+from routing.affinity import Candidate, with_adapter
 from routing.block_keys import block_keys
 from routing.subscriber import EventSubscriber
 
@@ -130,7 +130,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         if not isinstance(request, EngineRequest):
             # Not a generate call (health checks, admin methods): least in-flight first.
             return [sorted(candidates, key=lambda r: len(self.core.inflight.get(r.replica_id.unique_id, ())))]
-        block_size = self._block_size(candidates)
+        block_size = self._block_size(candidates) or request.block_size or None
         if block_size is None:
             metrics.FALLBACKS.labels(cause="no_routing_stats").inc()
             order = list(candidates)
@@ -142,8 +142,10 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         cached = self._pending.get(internal_id)
         keys = cached[0] if cached else block_keys(
             request.prompt_token_ids, block_size, cache_salt=request.cache_salt, lora_name=request.lora_name)
-        uids = tuple(r.replica_id.unique_id for r in candidates)
-        views = [Candidate(uid, r.routing_stats, r.max_ongoing_requests) for uid, r in zip(uids, candidates)]
+        views = with_adapter([Candidate(r.replica_id.unique_id, r.routing_stats, r.max_ongoing_requests)
+                              for r in candidates], request.lora_name, stats_keys.STAT_LORA_ADAPTERS)
+        by_uid = {r.replica_id.unique_id: r for r in candidates}
+        uids = tuple(v.replica_id for v in views)
         last_events = {uid: self.subscriber.last_event_at(uid) for uid in uids}
         prompt_len = len(request.prompt_token_ids)
         stale_before = self.core.stale_fallbacks
@@ -152,8 +154,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         if self.core.stale_fallbacks != stale_before:
             metrics.FALLBACKS.labels(cause="stale_events").inc(self.core.stale_fallbacks - stale_before)
         self._pending[internal_id] = (keys, prompt_len, block_size, decision)
-        by_uid = dict(zip(uids, candidates))
         rest = sorted((u for u in uids if u != decision.replica_id), key=lambda u: decision.scores.get(u, 0.0))
+        rest += [u for u in by_uid if u not in uids]  # replicas without the adapter: last
         elapsed = time.perf_counter() - t0
         metrics.ROUTING_SECONDS.observe(elapsed)
         self._timings.append((time.monotonic(), elapsed))

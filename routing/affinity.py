@@ -33,7 +33,7 @@ from routing.index import BlockIndex
 from routing.policy import Decision, PolicyConfig, ReplicaView, RoutingRequest, cached_tokens, choose_replica
 from routing.staleness import EventStaleness
 
-__all__ = ["AffinityRouter", "Candidate", "Routed"]
+__all__ = ["AffinityRouter", "Candidate", "Routed", "with_adapter"]
 
 
 @dataclass(slots=True)
@@ -50,6 +50,18 @@ class Candidate:
     replica_id: str
     routing_stats: Mapping[str, Any] | None
     max_ongoing_requests: int | None
+
+
+def with_adapter(candidates: Sequence[Candidate], lora_name: str | None,
+                 stats_key: str = "lora_adapters") -> list[Candidate]:
+    """The candidates whose engines have ``lora_name`` loaded (listed under ``stats_key``
+    in their routing stats), or all of them when none has it or the request names no
+    adapter: a replica without the adapter would first load it from disk.
+    """
+    if lora_name is None:
+        return list(candidates)
+    having = [c for c in candidates if lora_name in ((c.routing_stats or {}).get(stats_key) or ())]
+    return having or list(candidates)
 
 
 @dataclass(frozen=True, slots=True)

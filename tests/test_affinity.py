@@ -66,3 +66,17 @@ def test_stalled_replica_is_routed_by_load_only():
     assert router.stale_fallbacks == 1 and later.matched_tokens == 0
     fresh = router.choose(keys, len(prefix) + 40, BS, candidates("a", "b"), now=141.0, last_event_at={"a": 140.5})
     assert fresh.replica_id == "a" and fresh.matched_tokens > 0
+
+
+def test_requests_for_an_adapter_prefer_replicas_that_have_it_loaded():
+    from routing.affinity import Candidate, with_adapter
+
+    a = Candidate("a", {"lora_adapters": ["sql", "chat"]}, 8)
+    b = Candidate("b", {"lora_adapters": []}, 8)
+    c = Candidate("c", None, 8)  # no routing stats yet
+    d = Candidate("d", {"lora_adapters": ["sql"]}, 8)
+    assert [x.replica_id for x in with_adapter([a, b, c, d], "sql")] == ["a", "d"]
+    assert [x.replica_id for x in with_adapter([a, b, c, d], "chat")] == ["a"]
+    # Nobody has it (or no adapter asked for): every candidate stays eligible.
+    assert [x.replica_id for x in with_adapter([a, b, c, d], "other")] == ["a", "b", "c", "d"]
+    assert [x.replica_id for x in with_adapter([a, b, c, d], None)] == ["a", "b", "c", "d"]

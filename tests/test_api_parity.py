@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import REPO, default_config, start_app, stop_all
+from tests.conftest import REPO, deep_update, default_config, start_app, stop_all
 
 pytestmark = pytest.mark.engine
 
@@ -32,11 +32,15 @@ WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 LONG_TEXT = "The library opens at nine and closes at five on weekdays. " * 6
+ADAPTER = "tiny-lora"
+# serve_config.yaml, on one engine replica, with the tiny LoRA adapter (infra/tiny_lora.py).
+APP_OVERRIDES = {"engine_replicas": {"num_replicas": 1},
+                 "serving": {"lora_modules": [{"name": ADAPTER, "path": "models/tiny-qwen2-lora"}]}}
 
 
 def vllm_server_command() -> list[str]:
-    """vLLM's server with the engine and serving arguments of ``serve_config.yaml``."""
-    args = default_config()["args"]
+    """vLLM's server with the engine and serving arguments the app runs with here."""
+    args = deep_update(default_config()["args"], APP_OVERRIDES)
     engine, serving = args["engine"], args.get("serving", {})
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(REPO / args["model"]),
            "--served-model-name", args["served_model_name"], "--host", "127.0.0.1", "--port", str(VLLM_PORT),
@@ -49,16 +53,22 @@ def vllm_server_command() -> list[str]:
         cmd.append("--enable-auto-tool-choice")
     if serving.get("tool_call_parser"):
         cmd += ["--tool-call-parser", serving["tool_call_parser"]]
+    if serving.get("lora_modules"):
+        cmd += ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1", "--lora-modules",
+                *(f"{m['name']}={REPO / m['path']}" for m in serving["lora_modules"])]
     return cmd
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
+    from infra import tiny_lora
+
+    tiny_lora.build(REPO / "models" / "tiny-qwen2-lora", REPO / "models" / "tiny-qwen2")  # no-op when built
     log = open(tmp_path_factory.mktemp("vllm") / "server.log", "w")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.Popen(vllm_server_command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     try:
-        app = start_app({"engine_replicas": {"num_replicas": 1}}, name="prefix-serve")
+        app = start_app(APP_OVERRIDES, name="prefix-serve")
         deadline = time.monotonic() + 600
         while True:
             assert proc.poll() is None, f"vLLM's server exited ({proc.returncode}); see {log.name}"
@@ -213,6 +223,10 @@ CASES = [
     ("chat_max_completion_tokens", CHAT, chat(max_completion_tokens=3), True),
     ("chat_continuous_usage", CHAT, chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}), True),
     ("cmpl_continuous_usage", CMPL, cmpl(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}), True),
+    # A LoRA adapter named as the model.
+    ("lora_chat", CHAT, chat(model=ADAPTER), True),
+    ("lora_cmpl_stream", CMPL, cmpl(model=ADAPTER, stream=True, stream_options={"include_usage": True}), True),
+    ("lora_cmpl_logprobs", CMPL, cmpl(model=ADAPTER, logprobs=2), True),
     # Bad values: 0, negative, huge, wrong types, unknown model, too long.
     ("bad_max_completion_tokens_0", CHAT, chat(max_completion_tokens=0), False),
     ("bad_max_tokens_0", CMPL, cmpl(max_tokens=0), False),
@@ -280,6 +294,23 @@ def test_features_do_what_they_say(servers):
                                           stream_options={"include_usage": True, "continuous_usage_stats": True}))
     content_chunks = [e for e in events[:-1] if e["choices"]]
     assert content_chunks and all(e.get("usage") for e in content_chunks)
+
+
+def test_models_and_the_adapter_are_listed_as_vllm_lists_them(servers):
+    app_url, vllm_url = servers
+    ours = httpx.get(f"{app_url}/v1/models", timeout=30).json()
+    ref = httpx.get(f"{vllm_url}/v1/models", timeout=30).json()
+    assert [m["id"] for m in ours["data"]] == [m["id"] for m in ref["data"]] == [MODEL, ADAPTER]
+    assert [m.get("parent") for m in ours["data"]] == [m.get("parent") for m in ref["data"]]
+
+
+def test_the_adapter_changes_the_answer(servers):
+    """Greedy text under the adapter differs from the base model's (the adapter is applied)."""
+    app_url, _ = servers
+    _, base = _post(app_url, CMPL, cmpl(max_tokens=8))
+    _, lora = _post(app_url, CMPL, cmpl(model=ADAPTER, max_tokens=8))
+    assert lora["model"] == ADAPTER
+    assert lora["choices"][0]["text"] != base["choices"][0]["text"]
 
 
 def test_tokenize_and_detokenize_as_vllm(servers, tokenizer):
