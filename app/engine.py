@@ -37,10 +37,12 @@ from app.protocol import (
     STAT_REPLICA_ID,
     STAT_STARTED_AT,
     EngineRequest,
+    EngineSummary,
     FirstOutput,
 )
 
 logger = logging.getLogger("prefix_serve.engine")
+_DONE = "data: [DONE]\n\n"  # the last SSE event of every vLLM stream
 
 
 def _make_load_logger(sink: dict[str, float]):
@@ -97,6 +99,8 @@ class VLLMEngine:
             engine_args(cfg, kv_events_topic=f"kv@{self.replica_id}", otlp_traces_endpoint=tracing.vllm_otlp_endpoint()),
             stat_loggers=[_make_load_logger(self._load)])
         self.frontend = EngineFrontend(request_probe.ProbedEngineClient(self.engine), cfg)
+        # Configured adapters are loaded before this replica serves its first request.
+        self.configured_adapters = frozenset(m.name for m in cfg.serving.lora_modules)
         sources = self.engine.get_kv_event_sources()
         source = sources[min(sources)]
         self.events_endpoint = source.endpoint
@@ -181,7 +185,8 @@ class VLLMEngine:
         ``ErrorResponse`` (vLLM's own mapping, as its server's exception handlers do).
 
         A cancelled call (the client went away) cancels the serving call, which
-        aborts the request in the engine.
+        aborts the request in the engine. The first item after the engine's first
+        output comes as ``FirstOutput``, the last as ``EngineSummary`` (``app.protocol``).
         """
         from opentelemetry import trace
         from vllm.entrypoints.serve import create_error_response
@@ -193,43 +198,32 @@ class VLLMEngine:
             attributes={"prefix_serve.replica_id": self.replica_id, "gen_ai.response.id": request.request_id},
         )
         probe = request_probe.RequestProbe(self.replica_id, tracing.inject(trace.set_span_in_context(span)))
-        token = request_probe.CURRENT.set(probe)
-        task = asyncio.ensure_future(create(request.body))  # the task copies the context: it sees the probe
-        request_probe.CURRENT.reset(token)
         first_reported = False
         try:
-            waiter = asyncio.ensure_future(probe.first_output.wait())
+            token = request_probe.CURRENT.set(probe)  # vLLM's serving layer calls the engine within this call
             try:
-                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                waiter.cancel()
-            if probe.first_output.is_set():  # a unary request: report it before its answer is done
-                first_reported = True
-                yield FirstOutput(self.replica_id)
-            try:
-                result = await task
+                result = await create(request.body)
             except Exception as e:  # noqa: BLE001 - vLLM's server maps every error the same way
                 result = create_error_response(e)
-            if hasattr(result, "__aiter__"):  # a stream: vLLM's SSE strings
-                try:
-                    async for chunk in result:
-                        if not first_reported and probe.first_output.is_set():
-                            first_reported = True
-                            yield FirstOutput(self.replica_id)
-                        yield chunk
-                finally:
-                    await result.aclose()  # closed early (client gone): vLLM aborts the request
-            else:
-                if not first_reported and probe.first_output.is_set():
-                    yield FirstOutput(self.replica_id)
-                yield result
-            probe.summary.e2e_s = time.perf_counter() - probe.started
-            yield probe.summary
+            finally:
+                request_probe.CURRENT.reset(token)
+            if not hasattr(result, "__aiter__"):  # a response model or an ErrorResponse: the whole answer
+                yield self._summary(probe, result)
+                return
+            try:  # a stream: vLLM's SSE strings, the last one "data: [DONE]"
+                async for chunk in result:
+                    if chunk == _DONE:
+                        yield self._summary(probe, chunk)
+                        return
+                    if not first_reported and probe.first_output.is_set():
+                        first_reported = True
+                        chunk = FirstOutput(self.replica_id, chunk)
+                    yield chunk
+                yield self._summary(probe, None)
+            finally:
+                await result.aclose()  # closed early (client gone): vLLM aborts the request
         finally:
-            if not task.done():
-                task.cancel()
             s = probe.summary
-            s.e2e_s = time.perf_counter() - probe.started
             span.set_attributes({
                 "gen_ai.usage.input_tokens": s.prompt_tokens,
                 "gen_ai.usage.output_tokens": s.output_tokens,
@@ -238,6 +232,13 @@ class VLLMEngine:
                 "prefix_serve.queue_time_s": probe.queue_time_s,
             })
             span.end()
+
+    @staticmethod
+    def _summary(probe, data: Any) -> EngineSummary:
+        summary = probe.summary
+        summary.e2e_s = time.perf_counter() - probe.started
+        summary.data = data
+        return summary
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Load and event endpoints for the request routers (polled by Serve)."""
@@ -248,7 +249,7 @@ class VLLMEngine:
             STAT_BLOCK_SIZE: self.block_size,
             STAT_STARTED_AT: self.started_at,
             STAT_METRICS_TARGET: self.metrics_target,
-            STAT_LORA_ADAPTERS: sorted(self.frontend.models.lora_requests),
+            STAT_LORA_ADAPTERS: sorted(self.configured_adapters | set(self.frontend.models.lora_requests)),
             **self._load,
         }
 

@@ -280,7 +280,7 @@ class OpenAIIngress:
         answer = self._answer(kind, body, headers)
         try:
             first = await answer.__anext__()
-        except BaseException:
+        except Exception:
             metrics.REQUESTS.labels(route=route, status="500").inc()
             raise
         if not isinstance(first, str):  # vLLM's response model or ErrorResponse: no stream
@@ -444,18 +444,24 @@ class OpenAIIngress:
         previous: float | None = None
         summary: EngineSummary | None = None
         streaming = bool(ereq.body.stream)
+        first_seen = False
         async for item in self._engine_items(kind, ereq):
             now = time.perf_counter()
             if isinstance(item, FirstOutput):
+                first_seen = True
                 _tell_routers_first_token(ereq.request_id)
                 if streaming:
                     metrics.TTFT_SECONDS.observe(now - started)
                     span.set_attribute("prefix_serve.ttft_s", now - started)
-                continue
-            if isinstance(item, EngineSummary):
+                item = item.data
+            elif isinstance(item, EngineSummary):
                 summary = item
+                item = item.data
+                if not first_seen:  # a unary answer (or a stream that ended early): prefill is long done
+                    _tell_routers_first_token(ereq.request_id)
+            if item is None:
                 continue
-            if streaming and isinstance(item, str) and previous is not None:
+            if streaming and previous is not None:
                 metrics.ITL_SECONDS.observe(now - previous)
             previous = now
             yield item
@@ -490,7 +496,7 @@ class OpenAIIngress:
             try:
                 gen = getattr(self.engine.options(stream=True), kind).remote(ereq)
                 async for item in gen:
-                    answered = answered or not isinstance(item, (FirstOutput, EngineSummary))
+                    answered = True
                     yield item
                 return
             except Exception as e:

@@ -3,15 +3,16 @@
 ``EngineRequest`` is the argument of ``VLLMEngine.chat`` / ``VLLMEngine.completions``
 as seen through a Serve ``DeploymentHandle``: vLLM's own request model plus what
 the request router reads to compute the request's block keys (token ids,
-``cache_salt``, LoRA name). The engine streams back, in order:
+``cache_salt``, LoRA name). The engine streams back vLLM's answer, untouched:
+SSE strings (``"data: {...}\n\n"``, the last one ``"data: [DONE]\n\n"``) for a
+stream, else one response model, or one ``ErrorResponse``. Two of those items
+come wrapped, so that no extra item crosses between the processes:
 
-- ``FirstOutput`` once, when the engine produced its first output (the prompt is
-  prefilled): the ingress times TTFT and releases the router's queued-prefill
-  accounting there, for unary requests too;
-- vLLM's answer, untouched: SSE strings (``"data: {...}\\n\\n"``, the last one
-  ``"data: [DONE]\\n\\n"``) for a stream, else one response model, or one
-  ``ErrorResponse``;
-- ``EngineSummary`` last: the engine's own token counts, for metrics and spans.
+- ``FirstOutput`` wraps the first item sent after the engine produced its first
+  output (the prompt is prefilled): the ingress times TTFT and releases the
+  router's queued-prefill accounting there;
+- ``EngineSummary`` wraps the last item (``data``), with the engine's own token
+  counts, for metrics and spans.
 
 They are plain dataclasses so a router process can read them without importing vLLM.
 """
@@ -68,9 +69,11 @@ class EngineRequest:
 
 @dataclass(slots=True)
 class FirstOutput:
-    """The engine produced the request's first output; its prompt is prefilled."""
+    """The engine produced the request's first output (its prompt is prefilled);
+    ``data`` is the answer's item sent with this news."""
 
     replica_id: str
+    data: Any = None
 
 
 @dataclass(slots=True)
@@ -80,7 +83,8 @@ class EngineSummary:
     ``cached_tokens`` is the engine's count of prompt tokens served from its prefix
     cache; ``finish_reasons`` holds one entry per finished choice. ``ttft_s`` is
     vLLM's first-token latency of the (first) prompt, from its arrival in the
-    engine (-1: unknown); ``e2e_s`` the time the replica spent on the request.
+    engine (-1: unknown); ``e2e_s`` the time the replica spent on the request;
+    ``data`` the answer's last item (None if the answer ended by an error).
     """
 
     replica_id: str
@@ -90,3 +94,4 @@ class EngineSummary:
     finish_reasons: list[str] = field(default_factory=list)
     ttft_s: float = -1.0
     e2e_s: float = 0.0
+    data: Any = None

@@ -74,3 +74,29 @@ def test_unknown_router_kwarg_fails():
 
 def test_relative_model_path_resolves_to_repo():
     assert AppArgs().resolved_model() == str((REPO / "models" / "tiny-qwen2").resolve())
+
+
+@pytest.mark.parametrize("serving, fragment", [
+    ({"enable_auto_tool_choice": True}, "enable_auto_tool_choice needs tool_call_parser"),
+    ({"lora_modules": [{"name": "a", "path": "x"}, {"name": "a", "path": "y"}]}, "must be unique"),
+    ({"lora_modules": [{"name": "tiny-qwen2", "path": "x"}]}, "is the served model's name"),
+    ({"chat_template_content_format": "html"}, "serving.chat_template_content_format"),
+    ({"max_lora_rank": 0}, "serving.max_lora_rank"),
+    ({"tool_parser": "hermes"}, "serving.tool_parser"),  # vLLM's flag is tool_call_parser
+])
+def test_bad_serving_args_fail_naming_the_key(serving, fragment):
+    with pytest.raises(ValueError) as e:
+        parse_app_args({"serving": serving})
+    assert fragment in str(e.value)
+
+
+def test_serving_args_match_vllms_flags():
+    """Every ServingConfig field is a flag of vLLM's OpenAI server (same name, dashes for underscores)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from app.config import ServingConfig
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    dests = {a.dest for a in parser._actions}
+    assert set(ServingConfig.model_fields) <= dests, set(ServingConfig.model_fields) - dests
