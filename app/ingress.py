@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from array import array
 from collections.abc import AsyncIterator
@@ -44,7 +45,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse as _StarletteJSONResponse
+from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -56,6 +58,14 @@ from app.protocol import EngineRequest, EngineSummary, FirstOutput
 
 logger = logging.getLogger("prefix_serve.ingress")
 
+
+class JSONResponse(_StarletteJSONResponse):
+    """JSON with non-ASCII characters escaped: a message that quotes the client's
+    text (a lone UTF-16 surrogate included) is still a valid UTF-8 body."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
 fastapi_app = FastAPI(title="prefix-serve", description="OpenAI-compatible API with prefix-cache-aware routing")
 
 # Errors that mean the chosen engine replica is gone; a request whose answer has
@@ -66,6 +76,7 @@ _CHAT, _COMPLETION = "chat", "completions"
 _SPAN_OPERATION = {_CHAT: "chat", _COMPLETION: "text_completion"}
 _ID_PREFIX = {_CHAT: "chatcmpl", _COMPLETION: "cmpl"}  # vLLM's response id prefixes
 _DONE = "data: [DONE]\n\n"
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate
 
 
 @fastapi_app.exception_handler(OpenAIError)
@@ -133,28 +144,68 @@ def _raise(err) -> None:
     raise OpenAIError(e.message, e.code, e.type, e.param)
 
 
-def _validate(model_cls, body: Any):
-    """``body`` as vLLM's request model, or vLLM's ``ErrorResponse`` (400) naming the field."""
+def _validation_error(e: Exception):
+    """vLLM's ``ErrorResponse`` (400) for a failed validation, naming the field.
+
+    ``e`` is pydantic's ``ValidationError`` (the first error's field path and
+    message; vLLM's own parameter name where its validator raised), or an error a
+    "before" validator raised on a malformed shape.
+    """
     from pydantic import ValidationError
     from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
 
-    if isinstance(body, model_cls):
-        return body
-    if not isinstance(body, dict):
-        return _error_response("request body must be a JSON object")
-    try:
-        return model_cls.model_validate(body)
-    except ValidationError as e:
+    if isinstance(e, ValidationError):
         first = e.errors()[0]
         cause = (first.get("ctx") or {}).get("error")
         param = getattr(cause, "parameter", None) or clean_loc_for_param(tuple(first.get("loc", ()))) or None
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
         return _error_response(message, param=param)
-    except Exception as e:  # vLLM's "before" validators raise their own errors, or fail on malformed shapes
-        err = _error_response(e)
-        if err.error.code >= 500:  # not an error vLLM maps to the client: still the client's input
-            err = _error_response(f"malformed request body: {type(e).__name__}: {e}")
-        return err
+    err = _error_response(e)
+    if err.error.code >= 500:  # not an error vLLM maps to the client: still the client's input
+        err = _error_response(f"malformed request body: {type(e).__name__}: {e}")
+    return err
+
+
+def _validate(model_cls, body: Any):
+    """``body`` as vLLM's request model, or vLLM's ``ErrorResponse`` (400) naming the field."""
+    if isinstance(body, model_cls):
+        return body
+    if not isinstance(body, dict):
+        return _error_response("request body must be a JSON object")
+    bad = _unencodable(body)  # HTTP bodies were checked in _read_json; handle callers' dicts here
+    if bad is not None:
+        return bad
+    try:
+        return model_cls.model_validate(body)
+    except Exception as e:  # noqa: BLE001 - pydantic's error, or vLLM's own from a "before" validator
+        return _validation_error(e)
+
+
+def _unencodable(value: Any, path: str = ""):
+    """vLLM's ``ErrorResponse`` (400) for the first string in ``value`` that is not
+    valid Unicode text (a lone UTF-16 surrogate, as JSON's ``\\ud83d`` escape
+    makes), naming its field; None if all text is valid.
+
+    The tokenizer, the engine's msgpack encoding and the JSON of an error that
+    quotes the text all fail on such strings, so they are refused up front.
+    """
+    stack = [(path, value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return _error_response(f"{where or 'body'}: text is not valid Unicode ({e.reason} at "
+                                       f"position {e.start})", param=where or None)
+        elif isinstance(v, dict):
+            stack.extend((f"{where}.{k}" if where else str(k), x) for k, x in v.items())
+            for k in v:
+                if isinstance(k, str):
+                    stack.append((where or "body", k))
+        elif isinstance(v, list):
+            stack.extend((f"{where}.{i}", x) for i, x in enumerate(v) if not isinstance(x, (int, float)))
+    return None
 
 
 def _is_error_event(chunk: str) -> bool:
@@ -248,11 +299,12 @@ class OpenAIIngress:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         body = await self._read_json(request)
+        result = None
         try:
-            req = adapter.validate_python(body)
-        except Exception as e:  # pydantic's error, or a malformed shape in a "before" validator
-            result = _error_response(f"invalid request: {e}".splitlines()[0])
-        else:
+            req = None if result is not None else adapter.validate_python(body)
+        except Exception as e:  # noqa: BLE001 - pydantic's error, or vLLM's own from a "before" validator
+            result = _validation_error(e)
+        if result is None:
             try:
                 result = await getattr(self.renderer.tokenization, method)(req, request)
             except Exception as e:  # noqa: BLE001 - vLLM's server maps every error the same way
@@ -400,6 +452,11 @@ class OpenAIIngress:
             if isinstance(prompts, ErrorResponse):
                 return prompts
             span.set_attribute("gen_ai.usage.input_tokens", sum(len(p) for p in prompts))
+        try:
+            for p in prompts:  # vLLM's own check; ids past 32 bits never reach array('I')
+                self.renderer.online.renderer.validate_token_ids(p, parameter="prompt")
+        except Exception as e:  # noqa: BLE001
+            return _error_response(e)
         ids = prompts[0] if prompts else []
         if kind == _CHAT:
             if ids and not req.echo:
@@ -428,12 +485,19 @@ class OpenAIIngress:
         online = self.renderer.online
         try:
             if kind == _CHAT:
-                result = await online.render_chat(req.model_copy(deep=True))
+                try:
+                    copy = req.model_copy(deep=True)
+                except Exception:  # noqa: BLE001 - content pydantic left lazy (malformed parts): render it as is
+                    copy = req
+                result = await online.render_chat(copy)
                 inputs = result if isinstance(result, ErrorResponse) else result[1]
             else:
                 inputs = await online.render_completion(req)
         except Exception as e:  # noqa: BLE001 - vLLM's server maps every error the same way
-            return _error_response(e)
+            from pydantic import ValidationError
+
+            # Content parts pydantic validates lazily fail here, while rendering.
+            return _validation_error(e) if isinstance(e, ValidationError) else _error_response(e)
         if isinstance(inputs, ErrorResponse):
             return inputs
         return [list(i.get("prompt_token_ids") or ()) for i in inputs]
@@ -564,4 +628,8 @@ class OpenAIIngress:
             raise OpenAIError(f"request body is not valid JSON: {e}", 400) from None
         if not isinstance(body, dict):
             raise OpenAIError("request body must be a JSON object", 400)
+        if _SURROGATE_ESCAPE.search(raw):  # only a JSON escape can carry a lone surrogate
+            bad = _unencodable(body)
+            if bad is not None:
+                raise OpenAIError(bad.error.message, 400, bad.error.type, bad.error.param)
         return body

@@ -159,6 +159,38 @@ def test_bad_chat_input_gets_openai_error_then_service_continues(app, body, stat
     assert ok.usage.completion_tokens >= 1
 
 
+@pytest.mark.parametrize(
+    "path, raw, param",
+    [
+        # Lone UTF-16 surrogates (JSON escapes) in any text field: refused with the field named.
+        ("/v1/completions", '{"model": "tiny-qwen2", "prompt": "hi", "stop": ["\\ud83d"], "max_tokens": 2}', "stop.0"),
+        ("/v1/completions", '{"model": "tiny-qwen2", "prompt": "hi", "request_id": "\\udc00", "max_tokens": 2}', "request_id"),
+        ("/v1/completions", '{"model": "\\ud83d", "prompt": "hi", "max_tokens": 2}', "model"),
+        ("/v1/chat/completions", '{"model": "tiny-qwen2", "messages": [{"role": "user", "content": "a \\ud83d"}]}',
+         "messages.0.content"),
+        ("/tokenize", '{"model": "tiny-qwen2", "prompt": "\\ud83d"}', "prompt"),
+        # Token ids past the vocabulary, and past 32 bits.
+        ("/v1/completions", '{"model": "tiny-qwen2", "prompt": [4294967296], "max_tokens": 2}', "prompt"),
+        ("/v1/completions", '{"model": "tiny-qwen2", "prompt": [18446744073709551616], "max_tokens": 2}', None),
+        ("/v1/completions", '{"model": "tiny-qwen2", "prompt": [11, 100000], "max_tokens": 2}', "prompt"),
+        # Malformed chat content parts.
+        ("/v1/chat/completions", '{"model": "tiny-qwen2", "messages": [{"role": "user", "content": [{"type": "nope", "text": "x"}]}]}', None),
+        ("/v1/chat/completions", '{"model": "tiny-qwen2", "messages": [{"role": "user", "content": [null]}]}', None),
+        ("/detokenize", '{"model": "tiny-qwen2", "tokens": [-1]}', "tokens.0"),
+    ],
+)
+def test_bad_text_and_token_ids_get_a_4xx_naming_the_field(app, path, raw, param):
+    r = httpx.post(f"{app.base_url}{path}", content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert 400 <= r.status_code < 500, r.text
+    err = r.json()["error"]
+    assert err["code"] == r.status_code and err["message"]
+    assert "pickle" not in err["message"] and "validation errors for" not in err["message"]
+    if param is not None:
+        assert err["param"] == param
+    assert httpx.post(f"{app.base_url}/v1/completions", json={"model": app.model, "prompt": "ok", "max_tokens": 1},
+                      timeout=60).status_code == 200
+
+
 def test_prompt_longer_than_context_is_rejected(app):
     r = httpx.post(f"{app.base_url}/v1/completions", json={"model": app.model, "prompt": [11] * 4097, "max_tokens": 1}, timeout=60)
     assert r.status_code == 400
