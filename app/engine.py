@@ -1,4 +1,5 @@
-"""Engine deployment: one Serve replica = one vLLM ``AsyncLLM`` engine.
+"""Engine deployment: one Serve replica = one vLLM ``AsyncLLM`` engine behind vLLM's
+own OpenAI serving classes (``app.frontend.EngineFrontend``).
 
 Each replica turns on prefix caching and publishes its KV-cache events
 (BlockStored / BlockRemoved / AllBlocksCleared) over ZMQ. Endpoints are bound as
@@ -73,8 +74,10 @@ class VLLMEngine:
         args: the app args (``app.config.AppArgs`` as a dict).
 
     Handle methods (call with ``.options(stream=True)``): ``chat(EngineRequest)`` and
-    ``completions(EngineRequest)`` stream ``FirstOutput``, vLLM's answer and
-    ``EngineSummary`` (see ``app.protocol``).
+    ``completions(EngineRequest)`` stream vLLM's answer (SSE strings, or one
+    response model or ``ErrorResponse``), its first item after the engine's first
+    output wrapped in ``FirstOutput`` and its last in ``EngineSummary``
+    (see ``app.protocol``).
     """
 
     def __init__(self, args: dict[str, Any]):
