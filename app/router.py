@@ -155,7 +155,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             metrics.FALLBACKS.labels(cause="stale_events").inc(self.core.stale_fallbacks - stale_before)
         self._pending[internal_id] = (keys, prompt_len, block_size, decision)
         rest = sorted((u for u in uids if u != decision.replica_id), key=lambda u: decision.scores.get(u, 0.0))
-        rest += [u for u in by_uid if u not in uids]  # replicas without the adapter: last
+        if len(uids) < len(by_uid):  # replicas without the request's adapter: last
+            kept = set(uids)
+            rest += [u for u in by_uid if u not in kept]
         elapsed = time.perf_counter() - t0
         metrics.ROUTING_SECONDS.observe(elapsed)
         self._timings.append((time.monotonic(), elapsed))
