@@ -91,6 +91,16 @@ def _renderer_kwargs(cfg: AppArgs) -> dict[str, Any]:
     )
 
 
+def _online_renderer(model_config, renderer, cfg: AppArgs):
+    """vLLM's ``OnlineRenderer`` (templates, tokenizer, tool parsers) with the app's settings, warmed up."""
+    from vllm.renderers.online_renderer import OnlineRenderer
+
+    online = OnlineRenderer(model_config, renderer, trust_request_mm_kwargs=False, tool_strict_level="auto",
+                            **_renderer_kwargs(cfg))
+    online.warmup()
+    return online
+
+
 def _base_model_paths(cfg: AppArgs):
     from vllm.entrypoints.openai.models.protocol import BaseModelPath
 
@@ -112,7 +122,6 @@ class Renderer:
         from vllm.entrypoints.openai.models.serving import OpenAIModelRegistry
         from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
         from vllm.renderers import renderer_from_config
-        from vllm.renderers.online_renderer import OnlineRenderer
 
         args = engine_args(cfg)
         model_config = args.create_model_config()
@@ -122,12 +131,9 @@ class Renderer:
         envs.VLLM_CPU_KVCACHE_SPACE = 0
         vllm_config = VllmConfig(model_config=model_config,
                                  structured_outputs_config=args.create_structured_outputs_config())
-        self.model_config = model_config
         self.registry = OpenAIModelRegistry(model_config=model_config, base_model_paths=_base_model_paths(cfg))
         kwargs = _renderer_kwargs(cfg)
-        self.online = OnlineRenderer(model_config, renderer_from_config(vllm_config),
-                                     trust_request_mm_kwargs=False, tool_strict_level="auto", **kwargs)
-        self.online.warmup()
+        self.online = _online_renderer(model_config, renderer_from_config(vllm_config), cfg)
         self.tokenization = ServingTokenization(
             self.registry, self.online, chat_template=kwargs["chat_template"],
             chat_template_content_format=kwargs["chat_template_content_format"],
@@ -166,7 +172,6 @@ class EngineFrontend:
         from vllm.entrypoints.openai.models.serving import OpenAIServingModels
         from vllm.entrypoints.serve.utils.api_utils import process_lora_modules
         from vllm.entrypoints.openai.models.protocol import LoRAModulePath
-        from vllm.renderers.online_renderer import OnlineRenderer
 
         s = cfg.serving
         lora_modules = process_lora_modules(
@@ -174,9 +179,7 @@ class EngineFrontend:
         self.models = OpenAIServingModels(engine_client=engine_client, base_model_paths=_base_model_paths(cfg),
                                           lora_modules=lora_modules)
         kwargs = _renderer_kwargs(cfg)
-        online = OnlineRenderer(engine_client.model_config, engine_client.renderer,
-                                trust_request_mm_kwargs=False, tool_strict_level="auto", **kwargs)
-        online.warmup()
+        online = _online_renderer(engine_client.model_config, engine_client.renderer, cfg)
         common = dict(request_logger=None, return_tokens_as_token_ids=s.return_tokens_as_token_ids,
                       enable_prompt_tokens_details=s.enable_prompt_tokens_details,
                       enable_force_include_usage=s.enable_force_include_usage)
