@@ -12,11 +12,23 @@ simulator measures the code that serves traffic. For each request:
    ``num_waiting`` / ``kv_cache_usage`` from its routing stats;
    ``max_ongoing_requests``); ``routing.policy.choose_replica``.
 2. ``routed``: once the request is sent (possibly to a fallback replica): the
-   blind window (``BlockIndex.predict`` of its blocks on that replica), in-flight
-   accounting of ``prompt_len - cached_tokens`` and the staleness debt.
+   blind window (``BlockIndex.predict`` of its blocks on that replica, held
+   for ``queued_predicted_ttl_s`` while the request waits for its prefill),
+   in-flight accounting of ``prompt_len - cached_tokens`` and the staleness debt.
 3. ``first_token``: its prefill is done; its uncached tokens leave the
-   replica's queued prefill work (it still counts as in flight).
-4. ``completed``: the in-flight entry is dropped.
+   replica's queued prefill work (it still counts as in flight), and its
+   predicted blocks get ``predicted_ttl_s`` more for the engine's
+   ``BlockStored`` events to confirm them.
+4. ``completed``: the in-flight entry is dropped (a request that never got
+   its first token has its predictions shortened as in 3).
+
+Why predictions live while a request is queued: under overload a request
+waits minutes for its prefill, and until then no event can announce its
+blocks.  A fixed short TTL forgot the prefix long before the engine
+computed it, so the next request sharing it went elsewhere and both
+replicas computed it (Mooncake trace at its own rate, fp16 preset:
+docs/benchmarks.md).  A request queued behind another one with the same
+prefix on the same engine gets it from the cache when its turn comes.
 
 Time is passed in; nothing here reads a clock, takes a lock or does I/O (the
 caller serialises access to ``index`` with the event ingestion).
@@ -81,7 +93,10 @@ class AffinityRouter:
         index: the cluster block index (fed by the KV-event path).
         load_factor: bounded load; a replica above this multiple of the mean is
             passed over while another is within it (``PolicyConfig.load_epsilon``).
-        predicted_ttl_s: blind-window lifetime of predicted blocks, seconds.
+        predicted_ttl_s: blind-window lifetime of predicted blocks after the
+            request's first token (or its end without one), seconds.
+        queued_predicted_ttl_s: their lifetime before that, while the request
+            waits for its prefill, seconds (a bound in case neither call comes).
         stale_events_s: a replica owing events this long is routed by load only.
         rng: tie-breaks, and sampling when ``policy.no_match_choices`` > 0.
         policy: cost-function knobs (``load_epsilon`` is set from ``load_factor``).
@@ -93,12 +108,14 @@ class AffinityRouter:
     """
 
     def __init__(self, index: BlockIndex, *, load_factor: float = 1.25, predicted_ttl_s: float = 2.0,
-                 stale_events_s: float = 30.0, rng: random.Random | None = None,
+                 queued_predicted_ttl_s: float = 600.0, stale_events_s: float = 30.0, rng: random.Random | None = None,
                  policy: PolicyConfig | None = None, release_prefill_at_first_token: bool = True) -> None:
         self.policy = replace(policy or PolicyConfig(), load_epsilon=load_factor - 1.0)
         self.release_prefill_at_first_token = release_prefill_at_first_token
         self.index = index
         self.predicted_ttl_s = predicted_ttl_s
+        self.queued_predicted_ttl_s = max(queued_predicted_ttl_s, predicted_ttl_s)
+        self.queued_keys: dict[Hashable, tuple[str, Sequence[int]]] = {}  # request -> (replica, keys) before first token
         self.staleness = EventStaleness(stale_events_s)
         self.rng = rng or random.Random()
         self.inflight: dict[str, dict[Hashable, int]] = {}  # replica -> {request id: uncached prompt tokens}
@@ -140,7 +157,8 @@ class AffinityRouter:
         """The request went to ``replica_id`` (the decision's pick, or a fallback rank)."""
         matched = self.index.match(keys, (replica_id,), now).get(replica_id, 0)
         if keys:
-            self.index.predict(replica_id, keys, now, self.predicted_ttl_s)
+            self.index.predict(replica_id, keys, now, self.queued_predicted_ttl_s)
+            self.queued_keys[request_id] = (replica_id, keys)
         if len(keys) > matched:  # it will compute and store new full blocks: a BlockStored is owed
             self.staleness.note_sent(replica_id, now, last_event_at)
         predicted = cached_tokens(matched, prompt_len, block_size)
@@ -151,17 +169,31 @@ class AffinityRouter:
             reason = decision.reason if replica_id == decision.replica_id else "fallthrough"
         return Routed(replica_id, reason, predicted, prompt_len)
 
-    def first_token(self, replica_id: str, request_id: Hashable) -> None:
-        """The request's first output token came back: its prefill is no longer queued work."""
+    def first_token(self, replica_id: str, request_id: Hashable, now: float | None = None) -> None:
+        """The request's first output token came back: its prefill is no longer queued work.
+
+        With ``now``, its predicted blocks expire ``predicted_ttl_s`` from now
+        (the engine has computed them; its events confirm them).
+        """
         if self.release_prefill_at_first_token:
             entry = self.inflight.get(replica_id)
             if entry is not None and request_id in entry:
                 entry[request_id] = 0
+        self._end_queued_prediction(request_id, now)
 
-    def completed(self, replica_id: str, request_id: Hashable) -> None:
+    def completed(self, replica_id: str, request_id: Hashable, now: float | None = None) -> None:
+        """The request ended (answered, failed or cancelled): its in-flight entry goes."""
         self.inflight.get(replica_id, {}).pop(request_id, None)
+        self._end_queued_prediction(request_id, now)
+
+    def _end_queued_prediction(self, request_id: Hashable, now: float | None) -> None:
+        entry = self.queued_keys.pop(request_id, None)
+        if entry is not None and now is not None:
+            self.index.predict(entry[0], entry[1], now, self.predicted_ttl_s)
 
     def forget(self, replica_id: str) -> None:
         """A replica left: drop its accounting (its index entries go with the event path)."""
         self.inflight.pop(replica_id, None)
         self.staleness.forget(replica_id)
+        for request_id in [r for r, (uid, _) in self.queued_keys.items() if uid == replica_id]:
+            del self.queued_keys[request_id]

@@ -441,10 +441,10 @@ class PrefixAffinityPolicy(Policy):
         self.reasons[routed.reason] = self.reasons.get(routed.reason, 0) + 1
 
     def first_token(self, req, r, now):
-        self.router.first_token(self.ctx.ids[r], req.rid)
+        self.router.first_token(self.ctx.ids[r], req.rid, now)
 
     def completed(self, req, r, now):
-        self.router.completed(self.ctx.ids[r], req.rid)
+        self.router.completed(self.ctx.ids[r], req.rid, now)
 
     def summary(self):
         return {"reasons": dict(self.reasons), "stale_fallbacks": self.router.stale_fallbacks,
