@@ -19,7 +19,8 @@ The ingress calls ``first_token`` when a request's first output arrives: its
 prefill then leaves the replica's queued work.
 
 When the request is sent, its blocks are recorded on that replica as predicted
-(blind window, ``predicted_ttl_s``) until the engine's BlockStored confirms them.
+(blind window) until the engine's BlockStored confirms them: while it waits for
+its first token (``queued_predicted_ttl_s`` at most), then ``predicted_ttl_s``.
 ``choose_replicas`` never raises: any error falls back to a random order of the
 candidates and is counted (``prefix_serve_router_fallbacks_total``).
 """
@@ -243,11 +244,13 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             entry = self._awaiting_first.pop(request_id, None)
             if entry is not None:
                 self._request_of.pop(entry[1], None)
-                self.core.first_token(*entry)
+                with self.lock:  # it shortens the request's predictions in the index
+                    self.core.first_token(*entry, time.time())
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         with self._inflight_lock:
-            self.core.completed(replica_id.unique_id, internal_request_id)
+            with self.lock:
+                self.core.completed(replica_id.unique_id, internal_request_id, time.time())
             request_id = self._request_of.pop(internal_request_id, None)
             if request_id is not None:  # no first output came (error, cancelled, retried under a new id)
                 self._awaiting_first.pop(request_id, None)

@@ -29,13 +29,26 @@ Cost function (seconds, a predicted time to first token)::
 
 Replicas are ranked by a score, not by ``ttft_r`` itself::
 
-    score_r = ttft_r + (uncached_weight - 1) * uncached_r * prefill_cost_per_token_s
+    busy   = min over not-saturated candidates of queued_prefill_tokens_r / prompt_tokens
+    w      = uncached_weight * (1 + busy_cluster_weight * busy)
+    score_r = ttft_r + (w - 1) * uncached_r * prefill_cost_per_token_s
 
 A prompt token recomputed on a replica costs the cluster more than this
 request's own TTFT: every request queued behind it waits for it, and the
 recomputed prefix takes a second copy in another cache, evicting other
 prefixes.  ``uncached_weight`` > 1 charges for that; the simulator's ablation
-(docs/benchmarks.md) chose the default.  ``Decision.predicted_ttft_s`` and
+(docs/benchmarks.md) chose the default.
+
+``busy`` is how many prompts of this size the least busy replica still has
+to prefill.  When it is 0 some replica is idle, and moving a request there
+buys TTFT.  When every replica has a prefill queue, spilling a request away
+from its cached prefix does not shorten the cluster's work, it adds to it:
+the recomputed tokens delay every request queued after them, wherever they
+run (Preble, ICLR 2025, prices the same effect as the load a miss adds).
+The weight then grows with the queue, so that under overload a request goes
+where its prefix is unless that replica's queue is far longer than the
+others' (Mooncake trace at its own rate, fp16 preset: hit rate 3.9 -> 4.3 %,
+p90 TTFT unchanged; docs/benchmarks.md).  ``Decision.predicted_ttft_s`` and
 ``Decision.costs`` stay the unweighted ``ttft_r``.
 
 Rules, in order:
@@ -141,10 +154,12 @@ class PolicyConfig:
             in its score, relative to queued tokens.
         no_match_choices: candidates sampled when none holds the prefix
             (2 = power of two choices; 0 = all).
+        busy_cluster_weight: growth of the uncached weight per prompt's worth
+            of prefill queued on the least busy replica (0 = a fixed weight).
 
     Raises:
         ValueError: ``uncached_weight`` below 1, or a negative ``load_floor``,
-            ``no_match_choices`` or ``load_epsilon``.
+            ``no_match_choices``, ``load_epsilon`` or ``busy_cluster_weight``.
     """
 
     prefill_cost_per_token_s: float = 1e-4
@@ -156,12 +171,13 @@ class PolicyConfig:
     load_floor: int = 16
     uncached_weight: float = 4.0
     no_match_choices: int = 0
+    busy_cluster_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.uncached_weight < 1.0:
             raise ValueError(f"uncached_weight must be >= 1, got {self.uncached_weight}")
-        if self.load_floor < 0 or self.no_match_choices < 0 or self.load_epsilon < 0:
-            raise ValueError(f"load_floor, no_match_choices and load_epsilon must be >= 0: {self}")
+        if min(self.load_floor, self.no_match_choices, self.load_epsilon, self.busy_cluster_weight) < 0:
+            raise ValueError(f"load_floor, no_match_choices, load_epsilon and busy_cluster_weight must be >= 0: {self}")
 
 
 @dataclass(slots=True)
@@ -232,10 +248,8 @@ def choose_replica(
     waiting_s = config.waiting_penalty_s
     kv_threshold = config.kv_pressure_threshold
 
-    extra_per_uncached = (config.uncached_weight - 1.0) * per_token
     cached: list[int] = []
     costs: list[float] = []
-    scores: list[float] = []
     free: list[int] = []  # not saturated
     total_load = 0
     for i, v in enumerate(candidates):
@@ -249,11 +263,16 @@ def choose_replica(
             cost += config.kv_pressure_penalty_s
         cached.append(c)
         costs.append(cost)
-        scores.append(cost + (prompt - c) * extra_per_uncached)
         total_load += inflight
         if v.max_ongoing_requests is None or inflight < v.max_ongoing_requests:
             free.append(i)
     longest = max(cached)
+    weight = config.uncached_weight
+    if config.busy_cluster_weight and prompt > 0:
+        least_queued = min([candidates[i].queued_prefill_tokens for i in (free or range(n))])
+        weight *= 1.0 + config.busy_cluster_weight * least_queued / prompt
+    extra_per_uncached = (weight - 1.0) * per_token
+    scores = [cost + (prompt - c) * extra_per_uncached for cost, c in zip(costs, cached)]
 
     if n == 1:
         chosen, reason = 0, "only_candidate"

@@ -43,14 +43,45 @@ def test_routes_to_the_holder_and_predicts_for_the_burst():
     router.routed("r2", "b", k2, len(other), BS, d2, now=1.1)
     # Blind window: before any event, "b" counts as holding the prefix, until the TTL ends.
     assert index.match(k2, ("a", "b"), 1.2) == {"a": 0, "b": 32}
-    router.completed("b", "r2")
+    router.completed("b", "r2", now=1.2)  # no first token came: its predictions get predicted_ttl_s
     router.completed("a", "r1")
     router.first_token("a", "r1")  # late: must not bring the completed request back
     assert router.inflight["a"] == {}
     d3 = router.choose(k2, len(other), BS, candidates("a", "b"), now=1.3)
     assert d3.replica_id == "b" and d3.matched_tokens == (len(other) - 1) // BS * BS
-    assert index.match(k2, ("a", "b"), 1.1 + router.predicted_ttl_s + 0.01) == {"a": 0, "b": 0}
+    assert index.match(k2, ("a", "b"), 1.2 + router.predicted_ttl_s + 0.01) == {"a": 0, "b": 0}
     assert router.inflight == {"a": {}, "b": {}}
+
+
+def test_predictions_last_while_the_request_waits_for_its_prefill():
+    # Under overload a request queues for minutes before the engine computes (and
+    # announces) its blocks; the next request with its prefix must still see them.
+    index = BlockIndex(max_blocks=10_000)
+    router = AffinityRouter(index, predicted_ttl_s=2.0, queued_predicted_ttl_s=600.0, rng=random.Random(0))
+    prompt = list(range(1, 1 + 8 * BS))
+    keys = block_keys(prompt, BS)
+    d = router.choose(keys, len(prompt), BS, candidates("a", "b"), now=0.0)
+    router.routed("r1", d.replica_id, keys, len(prompt), BS, d, now=0.0)
+    other = "b" if d.replica_id == "a" else "a"
+    assert index.match(keys, ("a", "b"), 300.0) == {d.replica_id: 8, other: 0}
+    busy = {"a": 299.0, "b": 299.0}  # both engines keep publishing events for other requests
+    later = router.choose(keys, len(prompt), BS, candidates("a", "b"), now=300.0, last_event_at=busy)
+    assert later.replica_id == d.replica_id and later.reason == "prefix_hit"
+    router.first_token(d.replica_id, "r1", now=301.0)  # prefilled: events confirm within predicted_ttl_s
+    assert index.match(keys, ("a", "b"), 302.9)[d.replica_id] == 8
+    assert index.match(keys, ("a", "b"), 303.1)[d.replica_id] == 0
+    assert router.queued_keys == {}
+    # A request that ends without a first token (error, cancel) is shortened the same way.
+    router.routed("r2", "b", keys, len(prompt), BS, None, now=400.0)
+    router.completed("b", "r2", now=410.0)
+    assert index.match(keys, ("a", "b"), 411.9)["b"] == 8
+    assert index.match(keys, ("a", "b"), 412.1)["b"] == 0
+    # Without a call the queued lifetime still bounds them.
+    router.routed("r3", "a", keys, len(prompt), BS, None, now=500.0)
+    assert index.match(keys, ("a", "b"), 1099.0)["a"] == 8
+    assert index.match(keys, ("a", "b"), 1100.1)["a"] == 0
+    router.forget("a")
+    assert "r3" not in router.queued_keys
 
 
 def test_stalled_replica_is_routed_by_load_only():

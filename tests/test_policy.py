@@ -191,3 +191,24 @@ def test_scores_rank_fallbacks_and_config_is_checked() -> None:
     for bad in ({"uncached_weight": 0.5}, {"load_floor": -1}, {"no_match_choices": -2}):
         with pytest.raises(ValueError):
             PolicyConfig(**bad)
+
+
+def test_busy_cluster_keeps_a_request_on_its_prefix() -> None:
+    # Every replica has prefill queued: spilling the prompt to the shorter queue
+    # adds its uncached tokens to the cluster's work, so the weight grows with the
+    # least busy replica's queue (in prompts of this size).
+    views = [view("a", 200, inflight=3, queued=14_000), view("b", 0, inflight=3, queued=8_000)]
+    fixed = replace(CFG, busy_cluster_weight=0.0)
+    assert choose_replica(REQ, views, fixed, random.Random(0)).replica_id == "b"  # 12,096 < 14,896 tokens
+    d = choose_replica(REQ, views, replace(CFG, busy_cluster_weight=1.0), random.Random(0))
+    w = 1.0 * (1 + 8_000 / 4096)
+    score_a = (4096 - 3200 + 14_000) * 1e-4 + 3 * 0.002 + (w - 1) * (4096 - 3200) * 1e-4
+    score_b = (4096 + 8_000) * 1e-4 + 3 * 0.002 + (w - 1) * 4096 * 1e-4
+    assert (d.replica_id, d.reason) == ("a", "prefix_hit")
+    assert d.scores == pytest.approx({"a": score_a, "b": score_b})
+    assert d.costs["a"] == pytest.approx((4096 - 3200 + 14_000) * 1e-4 + 3 * 0.002)  # unweighted
+    # An idle replica (nothing queued) leaves the weight alone: TTFT decides.
+    views[1] = view("b", 0, inflight=3, queued=0)
+    assert choose_replica(REQ, views, replace(CFG, busy_cluster_weight=1.0), random.Random(0)).replica_id == "b"
+    with pytest.raises(ValueError):
+        PolicyConfig(busy_cluster_weight=-1.0)
