@@ -19,10 +19,11 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py routing/_blocktable.c routing/_chain.c
+$(STAMP): pyproject.toml setup.py routing/_blocktable.c routing/_chain.c bench/requirements-peers.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip wheel
 	$(PY) -m pip install --quiet $(PIP_INDEX) -e ".[$(EXTRA),test]"
+	$(PY) -m pip install --quiet --no-deps -r bench/requirements-peers.txt
 ifeq ($(EXTRA),cpu)
 	@# PyPI's torchvision/torchaudio/torchcodec do not load beside torch+cpu and break
 	@# transformers' model imports; vLLM's CPU path needs none of them.

@@ -66,6 +66,33 @@ def test_kv_aware_policies_route_to_the_replica_holding_the_prefix(name):
     assert p.choose(req, [0, 1, 2, 3], 1.0) == 2
 
 
+def test_dynamo_runs_dynamos_radix_tree_and_agrees_with_our_index():
+    from dynamo._core import RadixTree
+
+    from routing.events import AllBlocksCleared, BlockRemoved
+    from routing.index import BlockIndex
+
+    p = make_policy("dynamo")
+    p.setup(ctx())
+    assert isinstance(p.index.tree, RadixTree)
+    ours = BlockIndex(max_blocks=10_000)
+    keys = block_keys(PROMPT, BS)  # 40 blocks
+    stored = BlockStored(block_hashes=keys[:30], parent_block_hash=None, token_ids=PROMPT[: 30 * BS], block_size=BS,
+                         lora_id=None, medium="GPU", lora_name=None, extra_keys=[None] * 30, group_idx=0)
+    removed = BlockRemoved(block_hashes=keys[20:30], medium="GPU", group_idx=0)
+    ids = ("replica-0", "replica-1", "replica-2")
+    for replica, events in (("replica-1", [stored]), ("replica-2", [stored, removed])):
+        for index in (p.index, ours):
+            path = EventPath(index, 0.0)
+            path.deliver(replica, path.publish(replica, events, 0.0)[1], 0.0)
+    assert p.index.match(keys, ids, 0.0) == ours.match(keys, ids, 0.0) == {"replica-0": 0, "replica-1": 30,
+                                                                          "replica-2": 20}
+    path = EventPath(p.index, 0.0)
+    path.deliver("replica-1", path.publish("replica-1", [AllBlocksCleared()], 0.0)[1], 0.0)
+    assert p.index.match(keys, ids, 0.0)["replica-1"] == 0
+    assert p.choose(request(0, PROMPT), [0, 1, 2, 3], 1.0) == 2  # the longest holder; all idle
+
+
 def test_ray_prefix_uses_the_installed_prefix_tree():
     from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 

@@ -28,15 +28,25 @@ events through :class:`bench.sim.event_path.EventPath` after the event lag.
   of the partial block's fingerprint, so a shared block prefix is a shared
   character prefix and the match rate is the block match rate.  Tree eviction
   is off, as by default.
-* ``dynamo``: the cost function NVIDIA Dynamo's KV router documents
-  ("Routing Concepts", docs.nvidia.com/dynamo): ``cost = overlap_score_weight
-  * prefill_blocks + decode_blocks``, where ``prefill_blocks`` are the
-  worker's active prefill blocks plus the request's blocks after the overlap
-  credit (blocks the worker holds, from KV events), ``decode_blocks`` the
-  worker's active blocks plus the request's; lowest cost wins (weight 1.0,
-  temperature 0: ties at random).  Active prefill work is tracked from routing
-  until the first token; active blocks (prompt blocks of each request) until
-  completion.
+* ``dynamo``: NVIDIA Dynamo's KV router.  Its index is Dynamo's own
+  ``RadixTree`` (PyPI ``ai-dynamo-runtime`` 1.6.1, ``dynamo._core.RadixTree``:
+  the Rust ``KvIndexer`` tree, used, not copied), fed the engines' KV events
+  as Dynamo's ``KvCacheEvent`` JSON (``stored`` with the parent's hash and
+  each block's hash, ``removed``, ``clear_all_blocks``) and asked with
+  ``find_matches`` of the prompt's block hashes.  The selection rule is the
+  one Dynamo documents ("Routing Concepts", docs.nvidia.com/dynamo, v1.2):
+  ``cost = overlap_score_weight * prefill_blocks + decode_blocks``, where
+  ``prefill_blocks`` are the worker's active prefill tokens plus the
+  request's tokens after the overlap credit, over the block size, and
+  ``decode_blocks`` the worker's active blocks plus the request's; lowest
+  cost wins, with Dynamo's defaults (``--kv-overlap-score-weight`` 1.0,
+  ``--router-temperature`` 0: ties at random).  Active prefill work is
+  tracked from routing until the first token (as Dynamo does when the first
+  output token signals prefill completion); active blocks (prompt blocks of
+  each request) until completion.  Dynamo's ``KvRouter`` binding itself
+  needs its distributed runtime (etcd/NATS) and does not run here, so the
+  selection loop is ours around its tree.  The tree holds only what the
+  events report: no blind window between routing and the ``stored`` event.
 * ``llm_d``: llm-d's inference scheduler with its precise prefix-cache
   profile: ``precise-prefix-cache-scorer`` (longest run of consecutive cached
   blocks from the start, from KV events, min-max normalized over the replicas
@@ -55,6 +65,7 @@ events through :class:`bench.sim.event_path.EventPath` after the event lag.
 from __future__ import annotations
 
 import bisect
+import json
 import random
 import zlib
 from collections.abc import Sequence
@@ -66,6 +77,7 @@ import xxhash
 from app.config import RouterConfig
 from bench.sim.workload import SimRequest
 from routing.affinity import Candidate
+from routing.events import BlockRemoved, BlockStored
 from routing.index import BlockIndex
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -294,12 +306,52 @@ class _IndexedPolicy(Policy):
         return req.keys[: req.prompt_len // self.ctx.block_size]
 
 
+class DynamoRadixIndex:
+    """Dynamo's ``RadixTree`` behind the simulator's event path (``apply_batch``) and ``match``.
+
+    The simulated engines' block hashes are the router's block keys (chained,
+    so unique per prefix position); each block is given to Dynamo with that
+    hash as both its ``block_hash`` and its ``tokens_hash`` (Dynamo's local
+    block hash), and a prompt is looked up by its keys.
+    """
+
+    def __init__(self, replica_ids: Sequence[str]) -> None:
+        from dynamo._core import RadixTree
+
+        self.tree = RadixTree()
+        self.worker = {rid: i for i, rid in enumerate(replica_ids)}
+        self.event_id = 0
+        self.rejected_events = 0
+
+    def apply_batch(self, replica_id: str, batch) -> None:
+        worker = self.worker[replica_id]
+        for ev in batch.events:
+            self.event_id += 1
+            if isinstance(ev, BlockStored):
+                data = {"stored": {"parent_hash": ev.parent_block_hash,
+                                   "blocks": [{"block_hash": h, "tokens_hash": h} for h in ev.block_hashes]}}
+            elif isinstance(ev, BlockRemoved):
+                data = {"removed": {"block_hashes": list(ev.block_hashes)}}
+            else:
+                self.tree.clear_all_blocks(worker)
+                continue
+            try:
+                self.tree.apply_event(worker, json.dumps({"event_id": self.event_id, "data": data}).encode())
+            except RuntimeError:  # e.g. "Failed to find block": Dynamo's indexer logs these and goes on
+                self.rejected_events += 1
+
+    def match(self, keys, replica_ids, now) -> dict[str, int]:
+        scores = self.tree.find_matches(list(keys)).scores if len(keys) else {}
+        return {rid: scores.get((self.worker[rid], 0), 0) for rid in replica_ids}
+
+
 class DynamoPolicy(_IndexedPolicy):
     name = "dynamo"
     overlap_score_weight = 1.0
 
     def setup(self, ctx):
-        super().setup(ctx)
+        Policy.setup(self, ctx)
+        self._index = DynamoRadixIndex(ctx.ids)
         n = len(ctx.replicas)
         self.prefill_tokens = [0] * n  # uncached prompt tokens routed and not yet at first token
         self.active_blocks = [0] * n
@@ -344,6 +396,9 @@ class DynamoPolicy(_IndexedPolicy):
         entry = self._blocks.pop(req.rid, None)
         if entry:
             self.active_blocks[entry[0]] -= entry[1]
+
+    def summary(self):
+        return {"rejected_events": self._index.rejected_events}
 
 
 class LlmDPolicy(_IndexedPolicy):
