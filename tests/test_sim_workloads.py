@@ -133,3 +133,59 @@ def test_bounds_unbounded_reaches_the_reuse_ceiling_and_pooled_does_not_exceed_i
     assert b["unbounded_cache_hit_rate"] == pytest.approx(1024 / total)
     small = cache_hit_rates(wl, 16, pooled_blocks=70)
     assert small["pooled_cache_hit_rate"] < small["unbounded_cache_hit_rate"]
+
+
+def _brute_force_max_hits(served, capacity):
+    """Most hit blocks over every eviction choice (exhaustive; tiny inputs only)."""
+    from functools import lru_cache
+    from itertools import combinations
+
+    @lru_cache(maxsize=None)
+    def best(i, cache):
+        if i == len(served):
+            return 0
+        keys, limit, stored = served[i]
+        n = 0
+        for k in keys[:limit]:
+            if k not in cache:
+                break
+            n += 1
+        full = cache | frozenset(keys[:stored])
+        if len(full) <= capacity:
+            return n + best(i + 1, full)
+        return n + max(best(i + 1, frozenset(kept)) for kept in combinations(sorted(full), capacity))
+
+    return best(0, frozenset())
+
+
+def test_optimal_pooled_bound_is_the_most_any_eviction_gets():
+    from bench.sim.bounds import _optimal_hit_tokens
+
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        # Requests over a small prefix tree; a block's key names its whole prefix (chained keys).
+        key_of: dict[tuple, int] = {}
+        served = []
+        for _ in range(7):
+            path = [("head", int(rng.integers(3)))] + [("d", d) for d in range(int(rng.integers(0, 3)))]
+            path.append(("tail", int(rng.integers(3))))
+            keys = tuple(key_of.setdefault(tuple(path[: j + 1]), len(key_of)) for j in range(len(path)))
+            served.append((keys, int(rng.integers(1, len(keys) + 1)), len(keys)))
+        capacity = int(rng.integers(2, 5))
+        assert _optimal_hit_tokens(served, 1, capacity) == _brute_force_max_hits(tuple(served), capacity), trial
+
+
+def test_optimal_pooled_bound_beats_lru_where_lru_thrashes(trace):
+    # A loop over more blocks than fit: LRU always evicts the block needed next, MIN keeps most.
+    rows = [{"timestamp": 100 * i, "input_length": 16 * 4 + 1, "output_length": 0, "hash_ids": [i % 3 + 1]}
+            for i in range(12)]
+    wl = load_mooncake(_write(trace.parent / "loop.jsonl", rows))
+    b = cache_hit_rates(wl, 16, pooled_blocks=2 * 4)  # three prompts of 4 full blocks; two fit
+    assert b["pooled_cache_hit_rate"] == 0.0
+    assert b["unbounded_cache_hit_rate"] > b["pooled_optimal_hit_rate"] > 0.0
+    assert b["pooled_optimal_hit_rate"] <= b["unbounded_cache_hit_rate"]
+
+
+def _write(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path

@@ -1,4 +1,4 @@
-"""Hit-rate bounds that no router reaches: one pooled cache, and one unbounded cache.
+"""Hit-rate bounds: one pooled cache (LRU and optimal eviction), and one unbounded cache.
 
 Both replay the requests in arrival order through a single prefix cache that
 every request reaches, with the engines' counting rules: a request's hit is
@@ -14,6 +14,21 @@ them) are in the cache.
   It ignores that running requests pin their blocks and that one request's
   blocks are spread over time, so it is an optimistic reference for any
   router over the same total memory, not a strict maximum.
+* ``pooled_optimal_hit_rate``: the same pooled capacity with offline
+  optimal eviction (Belady's MIN, with bypass): when over capacity, the
+  block whose next use (a later request looking it up within its prompt)
+  is furthest away goes first, the deeper block on a tie, a block never
+  used again before any other.  A block's parent is looked up whenever the
+  block is, so its next use is never later: the rule never keeps a block
+  without its parent.  For requests served in arrival order, no placement of
+  them over replicas whose caches total that many blocks can hit more: the
+  replicas' caches together hold at most as many distinct blocks, and MIN
+  maximises hits for any cache of that size.  (Engines serve out of arrival
+  order under queues, and pin running requests' blocks; both only cost
+  real systems hits in practice, but the bound assumes arrival order.)
+  Pooled LRU is not such a bound: a router that keeps hot prefixes apart
+  from one-off prompts beats one shared LRU (Ray's prefix router reached
+  115 % of it on one trace).
 * ``unbounded_cache_hit_rate``: nothing is ever evicted: the trace's own
   reuse ceiling (65.1 % for the Mooncake synthetic trace per its README).
 
@@ -22,6 +37,7 @@ Rates are token-weighted: hit tokens over prompt tokens.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 
 from bench.sim.workload import Workload
@@ -38,8 +54,41 @@ def _hit_blocks_unbounded(seen: set[int], keys, limit: int) -> int:
     return n
 
 
+def _optimal_hit_tokens(requests, block_size: int, capacity: int) -> int:
+    """Hit tokens of a ``capacity``-block cache with Belady's MIN eviction (see the module docstring)."""
+    never = len(requests)
+    # Backward pass: for each request and each block it stores, the next request that looks it up.
+    next_use_of_stored: list[list[int]] = [[]] * len(requests)
+    upcoming: dict[int, int] = {}
+    for i in range(len(requests) - 1, -1, -1):
+        keys, limit, stored = requests[i]
+        next_use_of_stored[i] = [upcoming.get(k, never) for k in keys[:stored]]
+        for k in keys[:limit]:
+            upcoming[k] = i
+    cached: dict[int, int] = {}  # key -> its next use (the heap entry that is current)
+    heap: list[tuple[int, int, int]] = []  # (-next use, -position, key), stale entries skipped
+    push, pop = heapq.heappush, heapq.heappop
+    hits = 0
+    for i, (keys, limit, stored) in enumerate(requests):
+        n = 0
+        for k in keys[:limit]:
+            if k not in cached:
+                break
+            n += 1
+        hits += n * block_size
+        for pos, (k, nxt) in enumerate(zip(keys[:stored], next_use_of_stored[i])):
+            if cached.get(k) != nxt:
+                cached[k] = nxt
+                push(heap, (-nxt, -pos, k))
+        while len(cached) > capacity:
+            neg_next, _, k = pop(heap)
+            if cached.get(k) == -neg_next:
+                del cached[k]
+    return hits
+
+
 def cache_hit_rates(workload: Workload, block_size: int, pooled_blocks: int, max_model_len: int | None = None) -> dict[str, float]:
-    """``{"pooled_cache_hit_rate", "unbounded_cache_hit_rate"}`` for ``workload``.
+    """``{"pooled_cache_hit_rate", "pooled_optimal_hit_rate", "unbounded_cache_hit_rate"}`` for ``workload``.
 
     Args:
         workload: requests with block keys prepared at ``block_size``.
@@ -54,6 +103,7 @@ def cache_hit_rates(workload: Workload, block_size: int, pooled_blocks: int, max
     hit_pooled = 0
     hit_unbounded = 0
     move = lru.move_to_end
+    served = []  # (keys, lookup limit, stored blocks) per request, for the optimal bound
     for req in workload.requests:
         if max_model_len is not None and req.prompt_len + req.output_len > max_model_len:
             continue
@@ -68,6 +118,7 @@ def cache_hit_rates(workload: Workload, block_size: int, pooled_blocks: int, max
         hit_pooled += n * block_size
         hit_unbounded += _hit_blocks_unbounded(seen, keys, limit) * block_size
         stored = min((req.prompt_len + req.output_len - 1) // block_size, len(keys))
+        served.append((keys, limit, stored))
         for i in range(stored - 1, -1, -1):  # tail first: the head ends most recent
             k = keys[i]
             if k in lru:
@@ -78,8 +129,9 @@ def cache_hit_rates(workload: Workload, block_size: int, pooled_blocks: int, max
         while len(lru) > pooled_blocks:
             lru.popitem(last=False)
     if prompt_total == 0:
-        return {"pooled_cache_hit_rate": 0.0, "unbounded_cache_hit_rate": 0.0}
+        return {"pooled_cache_hit_rate": 0.0, "pooled_optimal_hit_rate": 0.0, "unbounded_cache_hit_rate": 0.0}
     return {
         "pooled_cache_hit_rate": hit_pooled / prompt_total,
+        "pooled_optimal_hit_rate": _optimal_hit_tokens(served, block_size, pooled_blocks) / prompt_total,
         "unbounded_cache_hit_rate": hit_unbounded / prompt_total,
     }

@@ -47,6 +47,7 @@ def plot_report(report: dict[str, Any], path: str | os.PathLike, title: str | No
     for i, v in enumerate(rates):
         ax2.text(v + 0.5, i, f"{v:.1f}", va="center", fontsize=8)
     for key, style, label in (("pooled_cache_hit_rate", "--", "pooled cache"),
+                              ("pooled_optimal_hit_rate", "-.", "pooled, optimal eviction"),
                               ("unbounded_cache_hit_rate", ":", "unbounded cache")):
         if key in bounds:
             ax2.axvline(bounds[key] * 100, color="crimson", linestyle=style, linewidth=1.2,
