@@ -81,6 +81,7 @@ class RouterConfig(_Strict):
     uncached_weight: float = Field(_POLICY.uncached_weight, ge=1.0, description="weight of uncached prompt tokens against queued ones in the score")
     no_match_choices: int = Field(_POLICY.no_match_choices, ge=0, description="replicas sampled when none holds the prefix: 2 = power of two choices, 0 = all")
     busy_cluster_weight: float = Field(_POLICY.busy_cluster_weight, ge=0.0, description="growth of the uncached weight per prompt's worth of prefill queued on the least busy replica")
+    eviction_weight: float = Field(_POLICY.eviction_weight, ge=0.0, description="weight of a cached token a request would evict past the replica's free blocks")
     queued_predicted_ttl_s: float = Field(600.0, gt=0.0, description="lifetime of a request's predicted blocks while it waits for its first token")
     stale_events_s: float = Field(30.0, gt=0.0, description="a replica silent this long with work in flight is routed by load only")
 
@@ -93,7 +94,8 @@ class RouterConfig(_Strict):
         ``max_indexed_blocks``.
         """
         policy = PolicyConfig(load_floor=self.load_floor, uncached_weight=self.uncached_weight,
-                              no_match_choices=self.no_match_choices, busy_cluster_weight=self.busy_cluster_weight)
+                              no_match_choices=self.no_match_choices, busy_cluster_weight=self.busy_cluster_weight,
+                              eviction_weight=self.eviction_weight)
         if index is None:
             index = BlockIndex(max_blocks=self.max_indexed_blocks)
         return AffinityRouter(index, load_factor=self.load_factor,

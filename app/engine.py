@@ -32,6 +32,7 @@ from app.protocol import (
     STAT_KV_USAGE,
     STAT_LORA_ADAPTERS,
     STAT_METRICS_TARGET,
+    STAT_NUM_GPU_BLOCKS,
     STAT_NUM_RUNNING,
     STAT_NUM_WAITING,
     STAT_REPLAY_ENDPOINT,
@@ -102,6 +103,8 @@ class VLLMEngine:
             engine_args(cfg, kv_events_topic=f"kv@{self.replica_id}", otlp_traces_endpoint=tracing.vllm_otlp_endpoint()),
             stat_loggers=[_make_load_logger(self._load)])
         self.frontend = EngineFrontend(request_probe.ProbedEngineClient(self.engine), cfg)
+        # Set by the engine core's handshake (the profiled KV cache, or num_gpu_blocks_override).
+        self.num_gpu_blocks = int(self.engine.vllm_config.cache_config.num_gpu_blocks or 0) or None
         # Configured adapters are loaded before this replica serves its first request.
         self.configured_adapters = frozenset(m.name for m in cfg.serving.lora_modules)
         sources = self.engine.get_kv_event_sources()
@@ -253,6 +256,7 @@ class VLLMEngine:
             STAT_STARTED_AT: self.started_at,
             STAT_METRICS_TARGET: self.metrics_target,
             STAT_LORA_ADAPTERS: sorted(self.configured_adapters | set(self.frontend.models.lora_requests)),
+            STAT_NUM_GPU_BLOCKS: self.num_gpu_blocks,
             **self._load,
         }
 

@@ -31,6 +31,7 @@ STAT_BLOCK_SIZE = "block_size"
 STAT_NUM_RUNNING = "num_running"
 STAT_NUM_WAITING = "num_waiting"
 STAT_KV_USAGE = "kv_cache_usage"
+STAT_NUM_GPU_BLOCKS = "num_gpu_blocks"  # KV-cache capacity in blocks, null block included (vLLM's figure)
 STAT_STARTED_AT = "engine_started_at"
 STAT_METRICS_TARGET = "metrics_target"  # host:port of the replica's Prometheus endpoint
 STAT_LORA_ADAPTERS = "lora_adapters"  # names of the adapters loaded in the engine

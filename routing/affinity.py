@@ -10,7 +10,8 @@ simulator measures the code that serves traffic. For each request:
    replica's events are stalled; in-flight requests and their uncached prompt
    tokens from this router's own accounting; the engine's ``num_running`` /
    ``num_waiting`` / ``kv_cache_usage`` from its routing stats;
-   ``max_ongoing_requests``); ``routing.policy.choose_replica``.
+   ``max_ongoing_requests``; its free blocks, ``num_gpu_blocks`` from its stats
+   less the blocks the index says it holds); ``routing.policy.choose_replica``.
 2. ``routed``: once the request is sent (possibly to a fallback replica): the
    blind window (``BlockIndex.predict`` of its blocks on that replica, held
    for ``queued_predicted_ttl_s`` while the request waits for its prefill),
@@ -140,6 +141,7 @@ class AffinityRouter:
                 self.stale_fallbacks += 1
                 matched = 0
             inflight = self.inflight.get(uid, {})
+            capacity = stats.get("num_gpu_blocks")
             views.append(ReplicaView(
                 replica_id=uid,
                 matched_blocks=matched,
@@ -149,6 +151,8 @@ class AffinityRouter:
                 num_waiting=stats.get("num_waiting"),
                 kv_cache_usage=stats.get("kv_cache_usage"),
                 max_ongoing_requests=c.max_ongoing_requests,
+                # vLLM's num_gpu_blocks counts the null block, which never caches.
+                free_blocks=None if not capacity else int(capacity) - 1 - self.index.replica_blocks(uid),
             ))
         return choose_replica(RoutingRequest(prompt_len, block_size), views, self.policy, self.rng)
 

@@ -29,9 +29,10 @@ Cost function (seconds, a predicted time to first token)::
 
 Replicas are ranked by a score, not by ``ttft_r`` itself::
 
-    busy   = min over not-saturated candidates of queued_prefill_tokens_r / prompt_tokens
-    w      = uncached_weight * (1 + busy_cluster_weight * busy)
-    score_r = ttft_r + (w - 1) * uncached_r * prefill_cost_per_token_s
+    busy    = min over not-saturated candidates of queued_prefill_tokens_r / prompt_tokens
+    w       = uncached_weight * (1 + busy_cluster_weight * busy)
+    evict_r = max(0, (prompt_tokens - cached_r) // block_size - free_blocks_r) * block_size
+    score_r = ttft_r + ((w - 1) * uncached_r + eviction_weight * evict_r) * prefill_cost_per_token_s
 
 A prompt token recomputed on a replica costs the cluster more than this
 request's own TTFT: every request queued behind it waits for it, and the
@@ -50,6 +51,15 @@ where its prefix is unless that replica's queue is far longer than the
 others' (Mooncake trace at its own rate, fp16 preset: hit rate 3.9 -> 4.3 %,
 p90 TTFT unchanged; docs/benchmarks.md).  ``Decision.predicted_ttft_s`` and
 ``Decision.costs`` stay the unweighted ``ttft_r``.
+
+``evict_r`` is the capacity term: the new full blocks the request will
+cache on ``r`` beyond the blocks ``r`` can still store without evicting
+(``free_blocks_r``: the engine's ``num_gpu_blocks`` minus the blocks the
+index says it holds; unknown = no term).  Each block it evicts is a prefix
+some later request may have come back for (Preble's eviction cost).  While
+caches fill, a new prefix goes where it fits instead of where the
+tie-break sends it; once every cache is full the term is the same share of
+every candidate's uncached tokens and ranks nothing differently.
 
 Rules, in order:
 
@@ -125,6 +135,8 @@ class ReplicaView:
         num_waiting: engine's waiting requests, or None.
         kv_cache_usage: engine's KV-cache usage in [0, 1], or None.
         max_ongoing_requests: Serve's per-replica concurrency cap, or None.
+        free_blocks: blocks it can still cache without evicting any (its
+            ``num_gpu_blocks`` less those it holds), or None when unknown.
     """
 
     replica_id: str
@@ -135,6 +147,7 @@ class ReplicaView:
     num_waiting: int | None = None
     kv_cache_usage: float | None = None
     max_ongoing_requests: int | None = None
+    free_blocks: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,10 +169,13 @@ class PolicyConfig:
             (2 = power of two choices; 0 = all).
         busy_cluster_weight: growth of the uncached weight per prompt's worth
             of prefill queued on the least busy replica (0 = a fixed weight).
+        eviction_weight: weight of a cached token a request would evict
+            (past the replica's free blocks), relative to a queued token.
 
     Raises:
         ValueError: ``uncached_weight`` below 1, or a negative ``load_floor``,
-            ``no_match_choices``, ``load_epsilon`` or ``busy_cluster_weight``.
+            ``no_match_choices``, ``load_epsilon``, ``busy_cluster_weight`` or
+            ``eviction_weight``.
     """
 
     prefill_cost_per_token_s: float = 1e-4
@@ -172,12 +188,15 @@ class PolicyConfig:
     uncached_weight: float = 4.0
     no_match_choices: int = 0
     busy_cluster_weight: float = 1.0
+    eviction_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.uncached_weight < 1.0:
             raise ValueError(f"uncached_weight must be >= 1, got {self.uncached_weight}")
-        if min(self.load_floor, self.no_match_choices, self.load_epsilon, self.busy_cluster_weight) < 0:
-            raise ValueError(f"load_floor, no_match_choices, load_epsilon and busy_cluster_weight must be >= 0: {self}")
+        if min(self.load_floor, self.no_match_choices, self.load_epsilon, self.busy_cluster_weight,
+               self.eviction_weight) < 0:
+            raise ValueError("load_floor, no_match_choices, load_epsilon, busy_cluster_weight and "
+                             f"eviction_weight must be >= 0: {self}")
 
 
 @dataclass(slots=True)
@@ -273,6 +292,13 @@ def choose_replica(
         weight *= 1.0 + config.busy_cluster_weight * least_queued / prompt
     extra_per_uncached = (weight - 1.0) * per_token
     scores = [cost + (prompt - c) * extra_per_uncached for cost, c in zip(costs, cached)]
+    per_evicted = config.eviction_weight * per_token * bs
+    if per_evicted:
+        for i, v in enumerate(candidates):
+            if v.free_blocks is not None:
+                evicted = (prompt - cached[i]) // bs - max(v.free_blocks, 0)
+                if evicted > 0:
+                    scores[i] += evicted * per_evicted
 
     if n == 1:
         chosen, reason = 0, "only_candidate"

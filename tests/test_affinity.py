@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from routing.affinity import AffinityRouter, Candidate
 from routing.block_keys import block_keys
 from routing.events import BlockStored, decode_batch, encode_batch
@@ -82,6 +84,27 @@ def test_predictions_last_while_the_request_waits_for_its_prefill():
     assert index.match(keys, ("a", "b"), 1100.1)["a"] == 0
     router.forget("a")
     assert "r3" not in router.queued_keys
+
+
+def test_free_blocks_come_from_the_engines_capacity_less_what_the_index_holds():
+    index = BlockIndex(max_blocks=10_000)
+    router = AffinityRouter(index, rng=random.Random(0))
+    feed(index, "a", list(range(1, 1 + 60 * BS)), 1)  # "a" caches 60 blocks of another prompt
+    prompt = list(range(9000, 9000 + 40 * BS))
+    keys = block_keys(prompt, BS)
+
+    def cands(cap_a, cap_b):
+        return [Candidate(rid, {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "num_gpu_blocks": cap},
+                          64) for rid, cap in (("a", cap_a), ("b", cap_b))]
+
+    # a: 101 blocks (null block included) - 60 held = 40 free, exactly the 40 new blocks: no eviction.
+    d = router.choose(keys, len(prompt), BS, cands(101, 101), now=0.0)
+    assert d.scores["a"] == pytest.approx(d.scores["b"])
+    # a: 91 - 1 - 60 = 30 free: 10 blocks evicted, b has room.
+    d = router.choose(keys, len(prompt), BS, cands(91, 101), now=0.0)
+    assert d.replica_id == "b"
+    assert d.scores["a"] - d.scores["b"] == pytest.approx(10 * BS * router.policy.eviction_weight
+                                                          * router.policy.prefill_cost_per_token_s)
 
 
 def test_stalled_replica_is_routed_by_load_only():

@@ -212,3 +212,26 @@ def test_busy_cluster_keeps_a_request_on_its_prefix() -> None:
     assert choose_replica(REQ, views, replace(CFG, busy_cluster_weight=1.0), random.Random(0)).replica_id == "b"
     with pytest.raises(ValueError):
         PolicyConfig(busy_cluster_weight=-1.0)
+
+
+def test_a_new_prefix_goes_where_it_fits() -> None:
+    # Two idle replicas, no match anywhere: "full" would evict a cached block for each of
+    # the prompt's 256 new full blocks; "room" stores them in free blocks.
+    cfg = replace(CFG, eviction_weight=1.0, no_match_choices=0)
+    views = [view("full", free_blocks=0), view("room", free_blocks=1000)]
+    for seed in range(10):
+        d = choose_replica(REQ, views, cfg, random.Random(seed))
+        assert (d.replica_id, d.reason) == ("room", "no_match")
+    assert d.scores["full"] - d.scores["room"] == pytest.approx((4096 // 16) * 16 * 1e-4)
+    # Partly full: only the blocks past the free ones count.
+    views = [view("full", free_blocks=200), view("room", free_blocks=1000)]
+    d = choose_replica(REQ, views, cfg, random.Random(0))
+    assert d.scores["full"] - d.scores["room"] == pytest.approx((256 - 200) * 16 * 1e-4)
+    # Capacity unknown, or the term off: a tie, broken at random.
+    for views, c in (([view("full"), view("room", free_blocks=1000)], cfg),
+                     ([view("full", free_blocks=0), view("room", free_blocks=1000)], replace(cfg, eviction_weight=0.0))):
+        picks = {choose_replica(REQ, views, c, random.Random(seed)).replica_id for seed in range(20)}
+        assert picks == {"full", "room"}
+    # A long match still beats room: the held prefix is worth more than the eviction.
+    views = [view("full", matched=250, free_blocks=0), view("room", free_blocks=1000)]
+    assert choose_replica(REQ, views, cfg, random.Random(0)).replica_id == "full"

@@ -102,7 +102,8 @@ class StatsScraper:
 
     @staticmethod
     def _read(r: "Replica") -> dict[str, Any]:
-        return {"num_running": r.num_running, "num_waiting": r.num_waiting, "kv_cache_usage": r.kv_usage}
+        return {"num_running": r.num_running, "num_waiting": r.num_waiting, "kv_cache_usage": r.kv_usage,
+                "num_gpu_blocks": r.cfg.num_blocks}
 
     def get(self, i: int, now: float) -> dict[str, Any]:
         if now - self.taken_at[i] >= self.period_s:

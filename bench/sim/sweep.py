@@ -1,0 +1,154 @@
+"""Load sweep of the simulator: every policy at several rate scales and presets, drawn against load.
+
+Examples::
+
+    python -m bench.sim.sweep --trace ../shared/workloads/mooncake_synthetic_trace.jsonl \\
+        --presets 4090-qwen2.5-7b-fp16 --num-blocks 5900 --rates 0.25,0.5,1,2 --seed 1 --out docs/results/sweep
+    python -m bench.sim.sweep --workload rag --rates 1,2 --out docs/results/sweep --jobs 2
+    # after a router change: re-run only ours into the same reports, then redraw
+    python -m bench.sim.sweep --workload rag --rates 1,2 --out docs/results/sweep --policies prefix_affinity --update
+
+Each point is one ``python -m bench.sim`` run (same options; see
+:mod:`bench.sim.cli`), written to ``OUT/<workload>_<preset>_x<rate>.json``; a
+point whose report exists is kept (``--force`` re-runs it), so an interrupted
+sweep resumes.  Then ``OUT/<workload>_sweep.png`` draws, per preset, the hit
+rate and the p90 TTFT of every policy against the rate scale (ours in black,
+the pooled-cache bounds dashed), and the done-when table of all points is
+printed (``bench.sim.report.summary_table``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.sim.cli import build_parser, run
+from bench.sim.latency import PRESETS
+from bench.sim.report import summary_table
+
+__all__ = ["main", "plot_sweep", "report_path"]
+
+_OURS = "prefix_affinity"
+
+
+def _short(preset: str) -> str:
+    return preset.replace("4090-qwen2.5-7b-", "")
+
+
+def report_path(out: Path, workload: str, preset: str, rate: float) -> Path:
+    """Where the sweep keeps one point's report."""
+    return out / f"{workload}_{_short(preset)}_x{rate:g}.json"
+
+
+def _workload_name(args: argparse.Namespace) -> str:
+    return Path(args.trace).stem if args.trace else args.workload
+
+
+def plot_sweep(reports: list[dict[str, Any]], path: str | Path, title: str) -> None:
+    """Hit rate and p90 TTFT against the rate scale, one line per policy, one column per preset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = sorted({r["config"]["preset"] for r in reports})
+    fig, axes = plt.subplots(2, len(presets), figsize=(6.0 * len(presets), 7.5), squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    for col, pre in enumerate(presets):
+        reps = sorted((r for r in reports if r["config"]["preset"] == pre), key=lambda r: r["config"]["rate_scale"])
+        rates = [r["config"]["rate_scale"] for r in reps]
+        names = list(reps[0]["policies"])
+        ax_hit, ax_p90 = axes[0][col], axes[1][col]
+        for i, nm in enumerate(names):
+            ours = nm == _OURS
+            style = {"color": "black" if ours else cmap(i % 10), "linewidth": 2.4 if ours else 1.2,
+                     "marker": "o", "markersize": 4, "label": nm}
+            pts = [(x, r["policies"][nm]) for x, r in zip(rates, reps) if nm in r["policies"]]
+            ax_hit.plot([x for x, _ in pts], [p["hit_rate"] * 100 for _, p in pts], **style)
+            ax_p90.plot([x for x, _ in pts], [p["ttft_p90_s"] for _, p in pts], **style)
+        for key, ls, label in (("pooled_cache_hit_rate", "--", "bound: pooled LRU"),
+                               ("pooled_optimal_hit_rate", "-.", "bound: pooled optimal")):
+            ys = [r["bounds"].get(key) for r in reps]
+            if all(y is not None for y in ys):
+                ax_hit.plot(rates, [y * 100 for y in ys], color="crimson", linestyle=ls, linewidth=1.0, label=label)
+        blocks = reps[0]["config"].get("num_blocks_per_replica")
+        ax_hit.set_title(f"{_short(pre)} ({blocks} blocks a replica): hit rate")
+        ax_hit.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
+        ax_p90.set_title(f"{_short(pre)}: p90 TTFT")
+        ax_p90.set_ylabel("p90 TTFT (s, log)")
+        ax_p90.set_yscale("log")
+        for ax in (ax_hit, ax_p90):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(rates, [f"x{x:g}" for x in rates])
+            ax.set_xlabel("arrival-rate scale")
+            ax.grid(alpha=0.3)
+        ax_hit.legend(fontsize=7, ncol=2)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.sim.sweep", description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="Mooncake-format JSONL trace")
+    src.add_argument("--workload", help="generated workload (see python -m bench.sim --help)")
+    ap.add_argument("--rates", default="0.25,0.5,1,2", help="comma list of rate scales (0.25,0.5,1,2)")
+    ap.add_argument("--presets", default=",".join(sorted(PRESETS)), help="comma list of presets (both)")
+    ap.add_argument("--out", required=True, help="folder of the reports and the figure")
+    ap.add_argument("--force", action="store_true", help="re-run points whose report exists")
+    ap.add_argument("--update", action="store_true",
+                    help="re-run only --policies into the existing reports (python -m bench.sim --update)")
+    args, rest = ap.parse_known_args(argv)
+    for flag in ("--rate-scale", "--preset", "--json", "--plot", "--update"):
+        if any(a == flag or a.startswith(flag + "=") for a in rest):
+            raise SystemExit(f"{flag} is set by the sweep itself")
+    try:
+        rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--rates: not a comma list of numbers: {args.rates!r}") from None
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown or not rates or min(rates) <= 0:
+        raise SystemExit(f"--presets must be of {', '.join(sorted(PRESETS))} and --rates positive")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    source = ["--trace", args.trace] if args.trace else ["--workload", args.workload]
+    name = None
+    reports = []
+    t0 = time.perf_counter()
+    for pre in presets:
+        for rate in rates:
+            sim_args = build_parser().parse_args([*source, *rest, "--preset", pre, "--rate-scale", f"{rate:g}"])
+            name = name or _workload_name(sim_args)
+            path = report_path(out, name, pre, rate)
+            if args.update:
+                if not path.exists():
+                    raise SystemExit(f"--update: no report at {path}; run the sweep without it first")
+                sim_args.update = str(path)
+            elif path.exists() and not args.force:
+                print(f"[sweep] keeping {path}", file=sys.stderr, flush=True)
+                reports.append(json.loads(path.read_text(encoding="utf-8")))
+                continue
+            print(f"[sweep] {name} {_short(pre)} x{rate:g} ({time.perf_counter() - t0:.0f} s so far)",
+                  file=sys.stderr, flush=True)
+            rep = run(sim_args)
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(rep, indent=1), encoding="utf-8")
+            os.replace(tmp, path)
+            reports.append(rep)
+    figure = out / f"{name}_sweep.png"
+    plot_sweep(reports, figure, f"{name}: every policy against load ({len(reports)} runs)")
+    print(summary_table(reports))
+    print(f"\nreports in {out}/, figure {figure} ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
