@@ -146,3 +146,40 @@ def test_trace_options_are_checked(tmp_path):
         main(["--trace", str(tmp_path / "t.jsonl"), "--num-requests", "5", "--no-progress"])
     with pytest.raises(SystemExit, match="No such file"):
         main(["--trace", str(tmp_path / "missing.jsonl"), "--no-progress"])
+
+
+def test_ablation_steps_end_at_the_shipped_defaults():
+    from app.config import RouterConfig
+    from bench.sim.ablation import steps
+
+    s = steps()
+    assert s[-1][1] == RouterConfig() and s[-1][2] is True
+    plain = s[0][1]
+    assert (plain.busy_cluster_weight, plain.eviction_weight) == (0.0, 0.0)
+    assert plain.queued_predicted_ttl_s == plain.predicted_ttl_s
+    for (_, before, _), (_, after, _) in zip(s, s[1:]):  # each step turns at most one knob on
+        changed = {k for k in RouterConfig.model_fields if getattr(before, k) != getattr(after, k)}
+        assert len(changed) <= 1
+
+
+def test_sweep_writes_a_report_per_point_and_a_figure(tmp_path, capsys):
+    from bench.sim.sweep import main as sweep_main, report_path
+
+    args = ["--workload", "chat", "--num-requests", "60", "--policies", "round_robin,prefix_affinity",
+            "--rates", "1,2", "--presets", "4090-qwen2.5-7b-fp16", "--out", str(tmp_path), "--no-progress"]
+    assert sweep_main(args) == 0
+    for rate in (1.0, 2.0):
+        rep = json.loads(report_path(tmp_path, "chat", "4090-qwen2.5-7b-fp16", rate).read_text())
+        assert rep["config"]["rate_scale"] == rate and set(rep["policies"]) == {"round_robin", "prefix_affinity"}
+        assert rep["bounds"]["pooled_optimal_hit_rate"] >= rep["bounds"]["pooled_cache_hit_rate"]
+    assert (tmp_path / "chat_sweep.png").stat().st_size > 10_000
+    table = capsys.readouterr().out
+    assert table.count("| chat | fp16 |") == 2
+    before = report_path(tmp_path, "chat", "4090-qwen2.5-7b-fp16", 1.0).read_text()
+    assert sweep_main(args) == 0  # existing points are kept, not re-run
+    assert report_path(tmp_path, "chat", "4090-qwen2.5-7b-fp16", 1.0).read_text() == before
+    assert sweep_main(args[:5] + ["prefix_affinity"] + args[6:] + ["--update"]) == 0
+    updated = json.loads(report_path(tmp_path, "chat", "4090-qwen2.5-7b-fp16", 1.0).read_text())
+    assert updated["updated"][0]["policies"] == ["prefix_affinity"]
+    with pytest.raises(SystemExit, match="--rate-scale"):
+        sweep_main(args + ["--rate-scale", "3"])

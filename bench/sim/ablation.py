@@ -4,8 +4,10 @@
 and cluster options as ``python -m bench.sim``) runs ``prefix_affinity`` with
 its knobs switched on one after the other, from the plain policy (bounded load
 with no floor, uncached tokens weighted like queued ones, power of two choices
-when no replica holds the prefix, queued prefill kept until the request completes) to the shipped ``app.config.RouterConfig``
-defaults, and prints a markdown table: hit rate, TTFT p50 / p90 / p99, ITL p99.
+when no replica holds the prefix, queued prefill kept until the request
+completes, predictions kept ``predicted_ttl_s`` only, a fixed uncached weight,
+no capacity term) to the shipped ``app.config.RouterConfig`` defaults, and
+prints a markdown table: hit rate, TTFT p50 / p90 / p99, ITL p99.
 """
 
 from __future__ import annotations
@@ -24,15 +26,23 @@ __all__ = ["steps", "main"]
 def steps() -> list[tuple[str, RouterConfig, bool]]:
     """(label, router knobs, release queued prefill at first token), cumulative; the last is the shipped default."""
     d = RouterConfig()
-    plain = d.model_copy(update={"load_floor": 0, "uncached_weight": 1.0, "no_match_choices": 2})
+    plain = d.model_copy(update={"load_floor": 0, "uncached_weight": 1.0, "no_match_choices": 2,
+                                 "queued_predicted_ttl_s": d.predicted_ttl_s, "busy_cluster_weight": 0.0,
+                                 "eviction_weight": 0.0})
     floor = plain.model_copy(update={"load_floor": d.load_floor})
     weight = floor.model_copy(update={"uncached_weight": d.uncached_weight})
+    all_on_no_match = weight.model_copy(update={"no_match_choices": d.no_match_choices})
+    queued = all_on_no_match.model_copy(update={"queued_predicted_ttl_s": d.queued_predicted_ttl_s})
+    busy = queued.model_copy(update={"busy_cluster_weight": d.busy_cluster_weight})
     return [
         ("plain: no load floor, uncached weight 1, pow2 on no match, prefill queued until completion", plain, False),
         ("+ release queued prefill at first token", plain, True),
         (f"+ bounded-load floor {d.load_floor}", floor, True),
         (f"+ uncached weight {d.uncached_weight:g}", weight, True),
-        ("+ all replicas compared on no match (= shipped defaults)", d, True),
+        ("+ all replicas compared on no match", all_on_no_match, True),
+        (f"+ predictions kept until the first token (at most {d.queued_predicted_ttl_s:g} s)", queued, True),
+        (f"+ busy-cluster weight {d.busy_cluster_weight:g}", busy, True),
+        (f"+ capacity term, eviction weight {d.eviction_weight:g} (= shipped defaults)", d, True),
     ]
 
 
