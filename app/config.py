@@ -76,7 +76,7 @@ class RouterConfig(_Strict):
 
     max_indexed_blocks: int = Field(1_000_000, ge=1, description="index cap; least recently used blocks go first")
     predicted_ttl_s: float = Field(2.0, gt=0.0, description="blind-window lifetime of predicted blocks")
-    load_factor: float = Field(1.25, ge=1.0, description="bounded load: spill above this multiple of mean load")
+    load_factor: float = Field(2.0, ge=1.0, description="bounded load: spill above this multiple of mean load")
     load_floor: int = Field(_POLICY.load_floor, ge=0, description="no replica is over the load bound below this many requests in flight")
     uncached_weight: float = Field(_POLICY.uncached_weight, ge=1.0, description="weight of uncached prompt tokens against queued ones in the score")
     no_match_choices: int = Field(_POLICY.no_match_choices, ge=0, description="replicas sampled when none holds the prefix: 2 = power of two choices, 0 = all")

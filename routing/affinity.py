@@ -108,7 +108,7 @@ class AffinityRouter:
             prompts to prefill (kept only for the simulator's ablation).
     """
 
-    def __init__(self, index: BlockIndex, *, load_factor: float = 1.25, predicted_ttl_s: float = 2.0,
+    def __init__(self, index: BlockIndex, *, load_factor: float = 2.0, predicted_ttl_s: float = 2.0,
                  queued_predicted_ttl_s: float = 600.0, stale_events_s: float = 30.0, rng: random.Random | None = None,
                  policy: PolicyConfig | None = None, release_prefill_at_first_token: bool = True) -> None:
         self.policy = replace(policy or PolicyConfig(), load_epsilon=load_factor - 1.0)

@@ -188,7 +188,7 @@ class PolicyConfig:
     running_penalty_s: float = 0.002
     kv_pressure_threshold: float = 0.95
     kv_pressure_penalty_s: float = 0.1
-    load_epsilon: float = 0.25
+    load_epsilon: float = 1.0
     load_floor: int = 16
     uncached_weight: float = 4.0
     no_match_choices: int = 0
