@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import random
 import zlib
 from collections.abc import Sequence
@@ -317,6 +318,9 @@ class DynamoRadixIndex:
     """
 
     def __init__(self, replica_ids: Sequence[str]) -> None:
+        # Dynamo logs each remove of a block its tree no longer has (a parent
+        # evicted first) as a warning on stderr; it skips them, as we count them.
+        os.environ.setdefault("DYN_LOG", "error")
         from dynamo._core import RadixTree
 
         self.tree = RadixTree()
