@@ -13,8 +13,10 @@ Each point is one ``python -m bench.sim`` run (same options; see
 point whose report exists is kept (``--force`` re-runs it), so an interrupted
 sweep resumes.  Then ``OUT/<workload>_sweep.png`` draws, per preset, the hit
 rate and the p90 TTFT of every policy against the rate scale (ours in black,
-the pooled-cache bounds dashed), and the done-when table of all points is
-printed (``bench.sim.report.summary_table``).
+the pooled-cache bounds dashed), and the done-when table is printed
+(``bench.sim.report.summary_table``), both over every report of the workload
+in ``OUT`` (so sweeps of the two presets run one after the other end in one
+figure).
 """
 
 from __future__ import annotations
@@ -143,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
             tmp.write_text(json.dumps(rep, indent=1), encoding="utf-8")
             os.replace(tmp, path)
             reports.append(rep)
+    # The figure and the table cover every report of this workload in OUT (other presets too).
+    done = {report_path(out, name, r["config"]["preset"], r["config"]["rate_scale"]) for r in reports}
+    for path in sorted(out.glob(f"{name}_*_x*.json")):
+        if path not in done:
+            reports.append(json.loads(path.read_text(encoding="utf-8")))
+    reports.sort(key=lambda r: (r["config"]["preset"], r["config"]["rate_scale"]))
     figure = out / f"{name}_sweep.png"
     plot_sweep(reports, figure, f"{name}: every policy against load ({len(reports)} runs)")
     print(summary_table(reports))
