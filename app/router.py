@@ -96,7 +96,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
 
     def _forget(self, uid: str) -> None:
         self.subscriber.remove_replica(uid)
-        self.core.forget(uid)
+        with self._inflight_lock, self.lock:  # first_token runs on the ingress's thread
+            self.core.forget(uid)
 
     def _follow(self, r: RunningReplica) -> None:
         stats = r.routing_stats or {}

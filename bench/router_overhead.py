@@ -265,7 +265,7 @@ def bench_lookup(index: BlockIndex, docs: list[list[int]], block_size: int, prom
         t1 = time.perf_counter_ns()
         if blind_window:
             router.routed(i, decision.replica_id, keys, len(prompt), block_size, decision, now, now)
-            router.completed(decision.replica_id, i)
+            router.completed(decision.replica_id, i, now)
         t2 = time.perf_counter_ns()
         if i >= WARMUP_LOOKUPS:
             samples.append(t1 - t0)

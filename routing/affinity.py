@@ -117,6 +117,7 @@ class AffinityRouter:
         self.predicted_ttl_s = predicted_ttl_s
         self.queued_predicted_ttl_s = max(queued_predicted_ttl_s, predicted_ttl_s)
         self.queued_keys: dict[Hashable, tuple[str, Sequence[int]]] = {}  # request -> (replica, keys) before first token
+        self._queued_refs: dict[str, dict[int, int]] = {}  # replica -> key -> queued requests predicting it
         self.staleness = EventStaleness(stale_events_s)
         self.rng = rng or random.Random()
         self.inflight: dict[str, dict[Hashable, int]] = {}  # replica -> {request id: uncached prompt tokens}
@@ -160,9 +161,13 @@ class AffinityRouter:
                decision: Decision | None, now: float, last_event_at: float | None = None) -> Routed:
         """The request went to ``replica_id`` (the decision's pick, or a fallback rank)."""
         matched = self.index.match(keys, (replica_id,), now).get(replica_id, 0)
+        self._end_queued_prediction(request_id, None, now)  # sent again under the same id: the last try is over
         if keys:
             self.index.predict(replica_id, keys, now, self.queued_predicted_ttl_s)
             self.queued_keys[request_id] = (replica_id, keys)
+            refs = self._queued_refs.setdefault(replica_id, {})
+            for k in keys:
+                refs[k] = refs.get(k, 0) + 1
         if len(keys) > matched:  # it will compute and store new full blocks: a BlockStored is owed
             self.staleness.note_sent(replica_id, now, last_event_at)
         predicted = cached_tokens(matched, prompt_len, block_size)
@@ -173,31 +178,55 @@ class AffinityRouter:
             reason = decision.reason if replica_id == decision.replica_id else "fallthrough"
         return Routed(replica_id, reason, predicted, prompt_len)
 
-    def first_token(self, replica_id: str, request_id: Hashable, now: float | None = None) -> None:
+    def first_token(self, replica_id: str, request_id: Hashable, now: float) -> None:
         """The request's first output token came back: its prefill is no longer queued work.
 
-        With ``now``, its predicted blocks expire ``predicted_ttl_s`` from now
-        (the engine has computed them; its events confirm them).
+        Its predicted blocks expire ``predicted_ttl_s`` from ``now`` (the engine
+        has computed them; its events confirm them), except those another request
+        still queued on the replica predicted too.  Unknown ids, and a replica
+        other than the one the request was last routed to, are ignored.
         """
         if self.release_prefill_at_first_token:
             entry = self.inflight.get(replica_id)
             if entry is not None and request_id in entry:
                 entry[request_id] = 0
-        self._end_queued_prediction(request_id, now)
+        self._end_queued_prediction(request_id, replica_id, now)
 
-    def completed(self, replica_id: str, request_id: Hashable, now: float | None = None) -> None:
-        """The request ended (answered, failed or cancelled): its in-flight entry goes."""
+    def completed(self, replica_id: str, request_id: Hashable, now: float) -> None:
+        """The request ended (answered, failed or cancelled): its in-flight entry goes,
+        and its predictions are shortened as in ``first_token`` if it had none."""
         self.inflight.get(replica_id, {}).pop(request_id, None)
-        self._end_queued_prediction(request_id, now)
+        self._end_queued_prediction(request_id, replica_id, now)
 
-    def _end_queued_prediction(self, request_id: Hashable, now: float | None) -> None:
-        entry = self.queued_keys.pop(request_id, None)
-        if entry is not None and now is not None:
-            self.index.predict(entry[0], entry[1], now, self.predicted_ttl_s)
+    def _end_queued_prediction(self, request_id: Hashable, replica_id: str | None, now: float) -> None:
+        """Shorten to ``predicted_ttl_s`` the request's predictions that no other queued request shares."""
+        entry = self.queued_keys.get(request_id)
+        if entry is None or (replica_id is not None and entry[0] != replica_id):
+            return
+        del self.queued_keys[request_id]
+        uid, keys = entry
+        refs = self._queued_refs.get(uid)
+        if refs is None:  # the replica was forgotten
+            return
+        ending = []
+        for k in keys:
+            n = refs.get(k, 0) - 1
+            if n > 0:
+                refs[k] = n
+            else:
+                refs.pop(k, None)
+                ending.append(k)
+        if ending:
+            self.index.predict(uid, ending, now, self.predicted_ttl_s)
 
     def forget(self, replica_id: str) -> None:
-        """A replica left: drop its accounting (its index entries go with the event path)."""
+        """A replica left: drop its accounting (its index entries go with the event path).
+
+        Not thread-safe, like every method here: the caller serialises it with
+        ``routed``, ``first_token`` and ``completed``.
+        """
         self.inflight.pop(replica_id, None)
         self.staleness.forget(replica_id)
+        self._queued_refs.pop(replica_id, None)
         for request_id in [r for r, (uid, _) in self.queued_keys.items() if uid == replica_id]:
             del self.queued_keys[request_id]

@@ -34,9 +34,9 @@ def test_routes_to_the_holder_and_predicts_for_the_burst():
     routed = router.routed("r1", "a", keys, len(prefix) + 5, BS, d, now=1.0, last_event_at=0.5)
     assert routed.predicted_cached_tokens == 64 * BS and routed.reason == "prefix_hit"
     assert router.inflight["a"]["r1"] == 5  # only the suffix is left to prefill
-    router.first_token("a", "r1")  # prefilled: still in flight, no queued prefill left
+    router.first_token("a", "r1", now=1.05)  # prefilled: still in flight, no queued prefill left
     assert router.inflight["a"] == {"r1": 0}
-    router.first_token("a", "unknown")  # ignored
+    router.first_token("a", "unknown", now=1.05)  # ignored
     # A new prefix: no holder, so the lowest cost on load picks the idle "b".
     other = list(range(5000, 5000 + 32 * BS))
     k2 = block_keys(other, BS)
@@ -46,8 +46,8 @@ def test_routes_to_the_holder_and_predicts_for_the_burst():
     # Blind window: before any event, "b" counts as holding the prefix, until the TTL ends.
     assert index.match(k2, ("a", "b"), 1.2) == {"a": 0, "b": 32}
     router.completed("b", "r2", now=1.2)  # no first token came: its predictions get predicted_ttl_s
-    router.completed("a", "r1")
-    router.first_token("a", "r1")  # late: must not bring the completed request back
+    router.completed("a", "r1", now=1.2)
+    router.first_token("a", "r1", now=1.2)  # late: must not bring the completed request back
     assert router.inflight["a"] == {}
     d3 = router.choose(k2, len(other), BS, candidates("a", "b"), now=1.3)
     assert d3.replica_id == "b" and d3.matched_tokens == (len(other) - 1) // BS * BS
@@ -86,6 +86,31 @@ def test_predictions_last_while_the_request_waits_for_its_prefill():
     assert "r3" not in router.queued_keys
 
 
+def test_ending_one_queued_request_keeps_the_prefix_other_queued_requests_share():
+    index = BlockIndex(max_blocks=10_000)
+    router = AffinityRouter(index, predicted_ttl_s=2.0, queued_predicted_ttl_s=600.0, rng=random.Random(0))
+    shared = list(range(1, 1 + 4 * BS))
+    a, b = shared + [7] * BS, shared + [8] * BS  # 5 blocks each, the first 4 shared
+    ka, kb = block_keys(a, BS), block_keys(b, BS)
+    router.routed("A", "r0", ka, len(a), BS, None, now=0.0)
+    router.routed("B", "r0", kb, len(b), BS, None, now=1.0)
+    router.completed("r0", "A", now=2.0)  # A cancelled; B still queued behind it
+    assert index.match(kb, ("r0",), 100.0) == {"r0": 5}  # B's whole prompt, shared blocks included
+    assert index.match(ka, ("r0",), 100.0) == {"r0": 4}  # A's own last block is gone after 2 s
+    router.first_token("r0", "B", now=101.0)
+    assert index.match(kb, ("r0",), 103.5) == {"r0": 0}
+    assert router._queued_refs == {"r0": {}}
+    # Sent again under the same id to another replica: the first try's predictions end;
+    # a late call naming the first replica is ignored.
+    router.routed("C", "r0", ka, len(a), BS, None, now=200.0)
+    router.routed("C", "r1", ka, len(a), BS, None, now=201.0)
+    assert index.match(ka, ("r0", "r1"), 204.0) == {"r0": 0, "r1": 5}
+    router.completed("r0", "C", now=205.0)
+    assert index.match(ka, ("r0", "r1"), 300.0) == {"r0": 0, "r1": 5}
+    router.completed("r1", "C", now=301.0)
+    assert index.match(ka, ("r1",), 303.5) == {"r1": 0} and router.queued_keys == {}
+
+
 def test_free_blocks_come_from_the_engines_capacity_less_what_the_index_holds():
     index = BlockIndex(max_blocks=10_000)
     router = AffinityRouter(index, rng=random.Random(0))
@@ -115,7 +140,7 @@ def test_stalled_replica_is_routed_by_load_only():
     keys = block_keys(prefix + [3] * 40, BS)  # two new full blocks: an event is owed
     d = router.choose(keys, len(prefix) + 40, BS, candidates("a", "b"), now=100.0, last_event_at={"a": 90.0})
     router.routed("r1", "a", keys, len(prefix) + 40, BS, d, now=100.0, last_event_at=90.0)
-    router.completed("a", "r1")
+    router.completed("a", "r1", now=100.0)
     later = router.choose(keys, len(prefix) + 40, BS, candidates("a", "b"), now=140.0, last_event_at={"a": 90.0})
     assert router.stale_fallbacks == 1 and later.matched_tokens == 0
     fresh = router.choose(keys, len(prefix) + 40, BS, candidates("a", "b"), now=141.0, last_event_at={"a": 140.5})

@@ -128,9 +128,14 @@ def test_summary_table_checks_done_when(report):
     for p in pols.values():  # saturated: the bound does not apply
         p["ttft_p50_s"] = 6.0
     assert row().endswith("| met |")
-    del pols["round_robin"]  # no round-robin: no row
-    rep["acceptance"] = acceptance(pols, rep["bounds"])
-    assert len(summary_table([rep]).splitlines()) == 2
+    pols["dynamo"]["ttft_p90_s"] = float("nan")  # a policy that finished nothing ranks last, in any order
+    assert row().endswith("| met |") and rep["acceptance"]["prefix_affinity"]["best_p90_policy"] != "dynamo"
+    for p in pols.values():  # unsaturated, and nothing to reuse: the bound is met by any hit rate
+        p["ttft_p50_s"] = 1.0
+    rep["bounds"]["pooled_cache_hit_rate"] = 0.0
+    assert row().endswith("| met |")
+    del pols["round_robin"]  # no round-robin: saturation unknown, not judged
+    assert row().endswith("| no round_robin run |") and rep["acceptance"]["prefix_affinity"]["met"] is None
 
 
 def test_ablation_refuses_options_it_would_ignore(capsys):
@@ -183,3 +188,6 @@ def test_sweep_writes_a_report_per_point_and_a_figure(tmp_path, capsys):
     assert updated["updated"][0]["policies"] == ["prefix_affinity"]
     with pytest.raises(SystemExit, match="--rate-scale"):
         sweep_main(args + ["--rate-scale", "3"])
+    for bad in ("nan", "1,inf", "0", "x"):
+        with pytest.raises(SystemExit, match="--rates"):
+            sweep_main(args[:7] + [bad] + args[8:])

@@ -160,7 +160,7 @@ def test_affinity_router_runs_the_live_sequence():
     shipped.index, shipped.inflight = router.index, router.inflight
     router.inflight.update({c.replica_id: {90 + i: 2000} for i, c in enumerate(four[2:])})
     assert shipped.choose(keys, len(PROMPT), BS, four, 0.5).replica_id == d1.replica_id
-    router.completed(d1.replica_id, 1)
+    router.completed(d1.replica_id, 1, 0.6)
     assert router.inflight[d1.replica_id] == {}
 
 

@@ -54,10 +54,10 @@ def markdown_table(report: dict[str, Any]) -> str:
                      f" ({'unsaturated' if acc['unsaturated'] else 'saturated'})")
     if "prefix_affinity" in acc:
         a = acc["prefix_affinity"]
-        notes.append(f"prefix_affinity: done-when {'met' if a['met'] else 'not met'} (hit rate "
+        notes.append(f"prefix_affinity: done-when {({True: 'met', False: 'not met', None: 'not judged'})[a['met']]} (hit rate "
                      f"{'ok' if a['hit_ok'] else 'below ' + a['best_hit_policy']}, p90 "
                      f"{'ok' if a['p90_ok'] else 'above ' + a['best_p90_policy']}), hit rate "
-                     f"{a['hit_over_pooled'] * 100:.0f} % of pooled LRU" + (
+                     f"{_fmt_pct(a['hit_over_pooled'])} of pooled LRU" + (
                          f", {a['hit_over_optimal'] * 100:.0f} % of pooled optimal" if a.get("hit_over_optimal") else ""))
     w = report["workload"]
     head = (f"{w['requests']} requests ({w.get('rejected', 0)} rejected), "
@@ -85,13 +85,14 @@ def summary_table(reports: list[dict[str, Any]]) -> str:
         pols, acc = rep["policies"], rep.get("acceptance", {})
         ours = pols.get("prefix_affinity")
         a = acc.get("prefix_affinity")
-        if ours is None or a is None or "rr_p50_s" not in acc:
+        if ours is None or a is None:
             continue
         bh, bp = a["best_hit_policy"], a["best_p90_policy"]
         c = rep["config"]
         preset = c.get("preset", "").replace("4090-qwen2.5-7b-", "")
-        verdict = "met" if a["met"] else "**not met**"
-        lines.append(f"| {rep['workload']['name']} | {preset} | x{c['rate_scale']:g} | {acc['rr_p50_s']:.2f} "
+        verdict = {True: "met", False: "**not met**", None: "no round_robin run"}[a["met"]]
+        rr = f"{acc['rr_p50_s']:.2f}" if "rr_p50_s" in acc else ""
+        lines.append(f"| {rep['workload']['name']} | {preset} | x{c['rate_scale']:g} | {rr} "
                      f"| {bh} {pols[bh]['hit_rate'] * 100:.1f} % | {ours['hit_rate'] * 100:.1f} % "
                      f"| {bp} {pols[bp]['ttft_p90_s']:.3f} | {ours['ttft_p90_s']:.3f} "
                      f"| {_fmt_pct(a['hit_over_pooled'])} | {_fmt_pct(a.get('hit_over_optimal'))} | {verdict} |")

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import numpy as np
@@ -75,6 +77,11 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
     }
 
 
+def _or(x: float, default: float) -> float:
+    """``x``, or ``default`` when it is NaN."""
+    return default if math.isnan(x) else x
+
+
 UNSATURATED_RR_P50_S = 5.0
 """Round-robin's median TTFT below which a run counts as unsaturated (issue 12)."""
 
@@ -88,7 +95,11 @@ def acceptance(policies: dict[str, dict[str, Any]], bounds: dict[str, float],
     * ``bound_ok``: where the run is unsaturated (round-robin's median TTFT
       under ``UNSATURATED_RR_P50_S``), its hit rate is at least 95 % of the
       pooled-LRU bound (always true on a saturated run);
-    * ``met``: all three.
+    * ``met``: all three; None when round-robin did not run (whether the run
+      is saturated is then unknown).
+
+    A policy whose p90 is NaN (no request finished) ranks last; a pooled
+    bound of 0 (nothing to reuse) is met by any hit rate.
 
     Also: the best other policies by hit rate and by p90, and the hit rate over
     the pooled-LRU and (when the report has it) the pooled-optimal bound.
@@ -106,19 +117,19 @@ def acceptance(policies: dict[str, dict[str, Any]], bounds: dict[str, float],
         if name not in policies or not others:
             continue
         me = policies[name]
-        best_hit = max(others, key=lambda n: policies[n]["hit_rate"])
-        best_p90 = min(others, key=lambda n: policies[n]["ttft_p90_s"])
-        over_pooled = me["hit_rate"] / pooled if pooled > 0 else float("nan")
-        hit_ok = me["hit_rate"] >= 0.98 * policies[best_hit]["hit_rate"]
-        p90_ok = me["ttft_p90_s"] <= 1.02 * policies[best_p90]["ttft_p90_s"]
-        bound_ok = not unsaturated or over_pooled >= 0.95
+        best_hit = max(others, key=lambda n: _or(policies[n]["hit_rate"], -math.inf))
+        best_p90 = min(others, key=lambda n: _or(policies[n]["ttft_p90_s"], math.inf))
+        over_pooled = me["hit_rate"] / pooled if pooled > 0 else None
+        hit_ok = me["hit_rate"] >= 0.98 * _or(policies[best_hit]["hit_rate"], 0.0)
+        p90_ok = me["ttft_p90_s"] <= 1.02 * _or(policies[best_p90]["ttft_p90_s"], math.inf)
+        bound_ok = None if unsaturated is None else (not unsaturated or over_pooled is None or over_pooled >= 0.95)
         out[name] = {
             "best_hit_policy": best_hit,
             "best_p90_policy": best_p90,
             "hit_ok": hit_ok,
             "p90_ok": p90_ok,
             "bound_ok": bound_ok,
-            "met": hit_ok and p90_ok and bound_ok,
+            "met": None if bound_ok is None else hit_ok and p90_ok and bound_ok,
             "hit_over_pooled": over_pooled,
             "hit_over_optimal": me["hit_rate"] / optimal if optimal else None,
         }

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -112,9 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         if any(a == flag or a.startswith(flag + "=") for a in rest):
             raise SystemExit(f"{flag} is set by the sweep itself")
     try:
-        rates = [float(x) for x in args.rates.split(",") if x.strip()]
+        rates = sorted({float(x) for x in args.rates.split(",") if x.strip()})
     except ValueError:
         raise SystemExit(f"--rates: not a comma list of numbers: {args.rates!r}") from None
+    if not all(math.isfinite(x) for x in rates):
+        raise SystemExit(f"--rates must be finite: {args.rates!r}")
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     unknown = [p for p in presets if p not in PRESETS]
     if unknown or not rates or min(rates) <= 0:
