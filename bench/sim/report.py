@@ -14,6 +14,8 @@ import argparse
 import json
 from typing import Any
 
+from bench.sim.results import acceptance
+
 __all__ = ["markdown_table", "summary_table"]
 
 
@@ -47,7 +49,7 @@ def markdown_table(report: dict[str, Any]) -> str:
     lines.append(
         f"| bound: unbounded cache | {b['unbounded_cache_hit_rate'] * 100:.1f} % | | | | | | | |"
     )
-    acc = report.get("acceptance", {})
+    acc = acceptance(report["policies"], report["bounds"])  # today's check, also on older reports
     notes = []
     if "rr_p50_s" in acc:
         notes.append(f"round-robin p50 TTFT {acc['rr_p50_s']:.2f} s"
@@ -82,7 +84,8 @@ def summary_table(reports: list[dict[str, Any]]) -> str:
              "| / pooled LRU | / pooled optimal | done-when |",
              "|---|---|---:|---:|---|---:|---|---:|---:|---:|---|"]
     for rep in reports:
-        pols, acc = rep["policies"], rep.get("acceptance", {})
+        pols = rep["policies"]
+        acc = acceptance(pols, rep["bounds"])
         ours = pols.get("prefix_affinity")
         a = acc.get("prefix_affinity")
         if ours is None or a is None:
