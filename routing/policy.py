@@ -32,8 +32,7 @@ Replicas are ranked by a score, not by ``ttft_r`` itself::
     busy    = min over not-saturated candidates of queued_prefill_tokens_r / prompt_tokens
     w       = uncached_weight * (1 + busy_cluster_weight * busy)
     evict_r = max(0, (prompt_tokens - cached_r) // block_size - free_blocks_r) * block_size
-              (0 for every candidate unless no candidate holds any block of the
-               prompt, busy = 0 and some candidate has evict = 0)
+              (0 for every candidate unless some candidate has evict = 0)
     score_r = ttft_r + ((w - 1) * uncached_r + eviction_weight * evict_r) * prefill_cost_per_token_s
 
 A prompt token recomputed on a replica costs the cluster more than this
@@ -60,14 +59,12 @@ cache on ``r`` beyond the blocks ``r`` can still store without evicting
 index says it holds; unknown = no term).  Each block it evicts is a prefix
 some later request may have come back for (Preble's eviction cost).  While
 caches fill, a new prefix goes where it fits instead of where the
-tie-break sends it.  The term applies only to a new prefix (no candidate
-holds any of its blocks), only while some replica has no prefill queued
-(``busy`` = 0), and only if it fits on some candidate without evicting.
-For a request with a match the match decides.  On a busy cluster the
-engines' caches are full of running requests' blocks and the estimate
-(capacity less announced blocks) varies with what is still being
-prefilled.  Applied to every request, the term cost the Mooncake trace at
-its own rate 0.4 points of hit rate in the simulator (4.5 -> 4.1 %).
+tie-break sends it.  The term applies only while the request fits on some
+candidate without evicting: once every cache is full (the steady state of a
+loaded cluster, where the estimate also varies with blocks still being
+prefilled) it would only raise the uncached weight, which the other terms
+already set (charging evictions there cost the Mooncake trace at its own
+rate 0.4 points of hit rate in the simulator).
 
 Rules, in order:
 
@@ -295,13 +292,13 @@ def choose_replica(
             free.append(i)
     longest = max(cached)
     weight = config.uncached_weight
-    least_queued = min([candidates[i].queued_prefill_tokens for i in (free or range(n))])
     if config.busy_cluster_weight and prompt > 0:
+        least_queued = min([candidates[i].queued_prefill_tokens for i in (free or range(n))])
         weight *= 1.0 + config.busy_cluster_weight * least_queued / prompt
     extra_per_uncached = (weight - 1.0) * per_token
     scores = [cost + (prompt - c) * extra_per_uncached for cost, c in zip(costs, cached)]
     per_evicted = config.eviction_weight * per_token * bs
-    if per_evicted and longest == 0 and least_queued == 0:
+    if per_evicted:
         evicted = [None if v.free_blocks is None else (prompt - cached[i]) // bs - max(v.free_blocks, 0)
                    for i, v in enumerate(candidates)]
         if any(e is not None and e <= 0 for e in evicted):  # it fits somewhere without evicting
