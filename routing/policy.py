@@ -49,8 +49,8 @@ the recomputed tokens delay every request queued after them, wherever they
 run (Preble, ICLR 2025, prices the same effect as the load a miss adds).
 The weight then grows with the queue, so that under overload a request goes
 where its prefix is unless that replica's queue is far longer than the
-others' (Mooncake trace at its own rate, fp16 preset: hit rate 3.9 -> 4.3 %,
-p90 TTFT unchanged; docs/benchmarks.md).  ``Decision.predicted_ttft_s`` and
+others' (Mooncake trace at its own rate, fp16 preset, when it was added:
+hit rate 3.9 -> 4.3 %, p90 TTFT unchanged; docs/benchmarks.md).  ``Decision.predicted_ttft_s`` and
 ``Decision.costs`` stay the unweighted ``ttft_r``.
 
 ``evict_r`` is the capacity term: the new full blocks the request will
@@ -63,8 +63,10 @@ tie-break sends it.  The term applies only while the request fits on some
 candidate without evicting: once every cache is full (the steady state of a
 loaded cluster, where the estimate also varies with blocks still being
 prefilled) it would only raise the uncached weight, which the other terms
-already set (charging evictions there cost the Mooncake trace at its own
-rate 0.4 points of hit rate in the simulator).
+already set.  It is not free: on the Mooncake trace at its own rate it costs
+0.4 points of hit rate in the simulator (ablation, docs/benchmarks.md); a
+narrower rule (new prefixes on a cluster with an idle replica) won them back
+but raised ``rag``'s and ``chat``'s p90 TTFT, so this one stays.
 
 Rules, in order:
 
