@@ -117,7 +117,7 @@ class AffinityRouter:
         self.predicted_ttl_s = predicted_ttl_s
         self.queued_predicted_ttl_s = max(queued_predicted_ttl_s, predicted_ttl_s)
         self.queued_keys: dict[Hashable, tuple[str, Sequence[int]]] = {}  # request -> (replica, keys) before first token
-        self._queued_refs: dict[str, dict[int, int]] = {}  # replica -> key -> queued requests predicting it
+        self._queued_on: dict[str, dict[Hashable, None]] = {}  # replica -> its requests in queued_keys
         self.staleness = EventStaleness(stale_events_s)
         self.rng = rng or random.Random()
         self.inflight: dict[str, dict[Hashable, int]] = {}  # replica -> {request id: uncached prompt tokens}
@@ -165,9 +165,7 @@ class AffinityRouter:
         if keys:
             self.index.predict(replica_id, keys, now, self.queued_predicted_ttl_s)
             self.queued_keys[request_id] = (replica_id, keys)
-            refs = self._queued_refs.setdefault(replica_id, {})
-            for k in keys:
-                refs[k] = refs.get(k, 0) + 1
+            self._queued_on.setdefault(replica_id, {})[request_id] = None
         if len(keys) > matched:  # it will compute and store new full blocks: a BlockStored is owed
             self.staleness.note_sent(replica_id, now, last_event_at)
         predicted = cached_tokens(matched, prompt_len, block_size)
@@ -199,25 +197,29 @@ class AffinityRouter:
         self._end_queued_prediction(request_id, replica_id, now)
 
     def _end_queued_prediction(self, request_id: Hashable, replica_id: str | None, now: float) -> None:
-        """Shorten to ``predicted_ttl_s`` the request's predictions that no other queued request shares."""
+        """Shorten to ``predicted_ttl_s`` the request's predictions that no other queued request shares.
+
+        Block keys are chained, so two prompts share exactly a common prefix of
+        keys: the longest one shared with another request queued on the replica
+        (a binary search each) stays predicted, the rest is shortened.  The
+        routing path pays nothing for this; the end of a request pays
+        ``O(queued on the replica * log(blocks))``.
+        """
         entry = self.queued_keys.get(request_id)
         if entry is None or (replica_id is not None and entry[0] != replica_id):
             return
         del self.queued_keys[request_id]
         uid, keys = entry
-        refs = self._queued_refs.get(uid)
-        if refs is None:  # the replica was forgotten
+        others = self._queued_on.get(uid)
+        if others is None:  # the replica was forgotten
             return
-        ending = []
-        for k in keys:
-            n = refs.get(k, 0) - 1
-            if n > 0:
-                refs[k] = n
-            else:
-                refs.pop(k, None)
-                ending.append(k)
-        if ending:
-            self.index.predict(uid, ending, now, self.predicted_ttl_s)
+        del others[request_id]
+        shared = 0
+        for other in others:
+            shared = max(shared, _common_prefix(keys, self.queued_keys[other][1]))
+            if shared == len(keys):
+                return
+        self.index.predict(uid, keys[shared:], now, self.predicted_ttl_s)
 
     def forget(self, replica_id: str) -> None:
         """A replica left: drop its accounting (its index entries go with the event path).
@@ -227,6 +229,22 @@ class AffinityRouter:
         """
         self.inflight.pop(replica_id, None)
         self.staleness.forget(replica_id)
-        self._queued_refs.pop(replica_id, None)
+        self._queued_on.pop(replica_id, None)
         for request_id in [r for r, (uid, _) in self.queued_keys.items() if uid == replica_id]:
             del self.queued_keys[request_id]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two chained block-key sequences.
+
+    Chained keys are equal at position ``i`` only if every key before is equal
+    too, so a binary search on single positions finds it.
+    """
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

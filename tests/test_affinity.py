@@ -99,7 +99,7 @@ def test_ending_one_queued_request_keeps_the_prefix_other_queued_requests_share(
     assert index.match(ka, ("r0",), 100.0) == {"r0": 4}  # A's own last block is gone after 2 s
     router.first_token("r0", "B", now=101.0)
     assert index.match(kb, ("r0",), 103.5) == {"r0": 0}
-    assert router._queued_refs == {"r0": {}}
+    assert router.queued_keys == {} and router._queued_on == {"r0": {}}
     # Sent again under the same id to another replica: the first try's predictions end;
     # a late call naming the first replica is ignored.
     router.routed("C", "r0", ka, len(a), BS, None, now=200.0)
@@ -159,3 +159,15 @@ def test_requests_for_an_adapter_prefer_replicas_that_have_it_loaded():
     # Nobody has it (or no adapter asked for): every candidate stays eligible.
     assert [x.replica_id for x in with_adapter([a, b, c, d], "other")] == ["a", "b", "c", "d"]
     assert [x.replica_id for x in with_adapter([a, b, c, d], None)] == ["a", "b", "c", "d"]
+
+
+def test_common_prefix_of_chained_keys_matches_a_plain_scan():
+    from routing.affinity import _common_prefix
+
+    rng = random.Random(0)
+    for _ in range(200):
+        head = [rng.randrange(1000) for _ in range(rng.randrange(0, 10) * BS)]
+        a = block_keys(head + [rng.randrange(1000) for _ in range(rng.randrange(0, 6) * BS)], BS)
+        b = block_keys(head + [rng.randrange(1000) for _ in range(rng.randrange(0, 6) * BS)], BS)
+        plain = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert _common_prefix(a, b) == plain
