@@ -229,8 +229,7 @@ class AffinityRouter:
         """
         self.inflight.pop(replica_id, None)
         self.staleness.forget(replica_id)
-        self._queued_on.pop(replica_id, None)
-        for request_id in [r for r, (uid, _) in self.queued_keys.items() if uid == replica_id]:
+        for request_id in self._queued_on.pop(replica_id, ()):
             del self.queued_keys[request_id]
 
 

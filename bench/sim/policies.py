@@ -298,7 +298,10 @@ class _IndexedPolicy(Policy):
 
     def setup(self, ctx):
         super().setup(ctx)
-        self._index = BlockIndex(max_blocks=4_000_000)
+        self._index = self._make_index(ctx)
+
+    def _make_index(self, ctx):
+        return BlockIndex(max_blocks=4_000_000)
 
     @property
     def index(self):
@@ -355,8 +358,7 @@ class DynamoPolicy(_IndexedPolicy):
     overlap_score_weight = 1.0
 
     def setup(self, ctx):
-        Policy.setup(self, ctx)
-        self._index = DynamoRadixIndex(ctx.ids)
+        super().setup(ctx)
         n = len(ctx.replicas)
         self.prefill_tokens = [0] * n  # uncached prompt tokens routed and not yet at first token
         self.active_blocks = [0] * n
@@ -401,6 +403,9 @@ class DynamoPolicy(_IndexedPolicy):
         entry = self._blocks.pop(req.rid, None)
         if entry:
             self.active_blocks[entry[0]] -= entry[1]
+
+    def _make_index(self, ctx):
+        return DynamoRadixIndex(ctx.ids)
 
     def summary(self):
         return {"rejected_events": self._index.rejected_events}
