@@ -2,14 +2,15 @@
  * routing._blocktable: the block index's key -> holders map, in C.
  *
  * BlockTable maps a 64-bit block key (routing.block_keys) to a Python int
- * (the bit mask of the replicas holding the block) and keeps one
- * "referenced" flag per key for the index's CLOCK eviction.  It is an
+ * (the bit mask of the replicas holding the block).  It is an
  * open-addressing hash table with linear probing and backward-shift
  * deletion: each entry is one 16-byte slot {key, mask pointer | flag}, so a
  * probe touches one cache line instead of a dict's index, entry and key
  * object (about three cache misses a lookup in a dict of 10^5 int keys).
  * walk() runs a prompt's whole lookup in C and prefetches the slots of the
- * keys ahead of the one being compared; store() folds one BlockStored in.
+ * keys ahead of the one being compared; add() and remove() fold one relay
+ * key event in (keys as uint64 bytes, no Python int made a key), and
+ * clear_bit() drops a replica in one pass.
  *
  * Predictions maps (block key, replica slot) to the expiry of that replica's
  * blind-window prediction (24-byte slots, same probing); BlockTable.predict()
@@ -407,25 +408,6 @@ BlockTable_pop(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
     return v;
 }
 
-PyDoc_STRVAR(take_referenced_doc,
-             "take_referenced(key, /)\n--\n\n"
-             "True if a walk matched ``key`` since its flag was last taken; clears the flag.\n"
-             "False for an absent key.");
-
-static PyObject *
-BlockTable_take_referenced(BlockTable *t, PyObject *key_obj)
-{
-    uint64_t key;
-    if (key_of(key_obj, &key) < 0)
-        return NULL;
-    Slot *s = &t->slots[find(t, key)];
-    if (s->value & REF_BIT) {
-        s->value &= ~REF_BIT;
-        Py_RETURN_TRUE;
-    }
-    Py_RETURN_FALSE;
-}
-
 PyDoc_STRVAR(clear_doc, "clear()\n--\n\nRemove every entry.");
 
 static PyObject *
@@ -456,8 +438,7 @@ PyDoc_STRVAR(walk_doc,
              "mask ``alive`` holds every block so far.\n\n"
              "Returns ``(drops, end)``: ``drops`` lists ``(i, bits)`` in order, ``bits`` the\n"
              "replicas of ``alive`` that hold ``keys[:i]`` but not ``keys[i]`` (``i ==\n"
-             "len(keys)`` for those that hold every key); ``end`` is the longest match.\n"
-             "The keys ``keys[:end]`` get their referenced flag set.");
+             "len(keys)`` for those that hold every key); ``end`` is the longest match.");
 
 static PyObject *
 BlockTable_walk(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
@@ -548,8 +529,6 @@ BlockTable_walk(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_DECREF(entry);
     }
-    for (Py_ssize_t i = 0; i < end; i++) /* keys[:end] are all present: their slots were found above */
-        t->slots[where[i]].value |= REF_BIT;
     result = Py_BuildValue("(On)", drops, end);
 done:
     Py_DECREF(alive);
@@ -557,75 +536,6 @@ done:
     Py_DECREF(seq);
     PyMem_Free(keys);
     PyMem_Free(where);
-    return result;
-}
-
-PyDoc_STRVAR(store_doc,
-             "store(engine_hashes, keys, key_of, bit, masks, /)\n--\n\n"
-             "Fold one BlockStored's blocks of one replica in (``routing.index``'s inner loop).\n\n"
-             "For each pair ``(h, k)``: ``key_of.setdefault(h, k)``; if ``h`` was already there\n"
-             "the block is another physical copy (``h`` goes to ``copies``).  Otherwise ``bit``\n"
-             "is or-ed into ``k``'s mask, interned through ``masks.setdefault``; a ``k`` whose\n"
-             "mask already had ``bit`` goes to ``held``.\n\n"
-             "Returns ``(new, copies, held)``: blocks newly mapped, and the two lists.\n"
-             "A bad key raises TypeError / OverflowError; the blocks before it stay folded in.");
-
-static PyObject *
-BlockTable_store(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (!check_nargs("store", nargs, 5, 5))
-        return NULL;
-    PyObject *key_of_map = args[2], *bit = args[3], *masks = args[4];
-    if (!PyDict_Check(key_of_map) || !PyDict_Check(masks) || !PyLong_CheckExact(bit)) {
-        PyErr_SetString(PyExc_TypeError, "store(engine_hashes, keys, key_of: dict, bit: int, masks: dict)");
-        return NULL;
-    }
-    PyObject *hashes = PySequence_Fast(args[0], "engine_hashes must be a sequence");
-    if (hashes == NULL)
-        return NULL;
-    PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence of ints");
-    if (keys == NULL) {
-        Py_DECREF(hashes);
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
-    if (PySequence_Fast_GET_SIZE(keys) < n)
-        n = PySequence_Fast_GET_SIZE(keys);
-    PyObject **eh = PySequence_Fast_ITEMS(hashes);
-    PyObject **ks = PySequence_Fast_ITEMS(keys);
-    PyObject *copies = PyList_New(0), *held = PyList_New(0), *result = NULL;
-    Py_ssize_t fresh = 0;
-    if (copies == NULL || held == NULL)
-        goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t key;
-        if (key_of(ks[i], &key) < 0)
-            goto done; /* blocks before this one stay folded in */
-        Py_ssize_t size_before = PyDict_GET_SIZE(key_of_map);
-        if (PyDict_SetDefault(key_of_map, eh[i], ks[i]) == NULL)
-            goto done;
-        if (PyDict_GET_SIZE(key_of_map) == size_before) { /* eh was already mapped */
-            if (PyList_Append(copies, eh[i]) < 0)
-                goto done;
-            continue;
-        }
-        fresh++;
-        int has = has_bit(t, key, bit);
-        if (has < 0)
-            goto done;
-        if (has) {
-            if (PyList_Append(held, ks[i]) < 0)
-                goto done;
-        }
-        else if (or_bit(t, key, bit, masks) < 0)
-            goto done;
-    }
-    result = Py_BuildValue("(nOO)", fresh, copies, held);
-done:
-    Py_XDECREF(copies);
-    Py_XDECREF(held);
-    Py_DECREF(hashes);
-    Py_DECREF(keys);
     return result;
 }
 
@@ -1026,16 +936,248 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------ key events */
+
+/* A sequence of block keys: a bytes-like of uint64 (native order) or a sequence of ints.
+ * Fills *out (PyMem_Malloc'ed, caller frees) and *n. */
+static int
+keys_arg(PyObject *obj, uint64_t **out, Py_ssize_t *n)
+{
+    *out = NULL;
+    *n = 0;
+    if (PyObject_CheckBuffer(obj)) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0)
+            return -1;
+        if (view.len % (Py_ssize_t)sizeof(uint64_t) != 0) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_ValueError, "a bytes-like of keys must hold whole uint64 keys");
+            return -1;
+        }
+        *n = view.len / (Py_ssize_t)sizeof(uint64_t);
+        *out = PyMem_Malloc((*n ? *n : 1) * sizeof(uint64_t));
+        if (*out == NULL) {
+            PyBuffer_Release(&view);
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(*out, view.buf, (size_t)*n * sizeof(uint64_t)); /* need not be 8-byte aligned */
+        PyBuffer_Release(&view);
+        return 0;
+    }
+    PyObject *seq = PySequence_Fast(obj, "keys must be a bytes-like of uint64 or a sequence of ints");
+    if (seq == NULL)
+        return -1;
+    *n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    *out = PyMem_Malloc((*n ? *n : 1) * sizeof(uint64_t));
+    if (*out == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        if (key_of(items[i], &(*out)[i]) < 0) {
+            Py_DECREF(seq);
+            PyMem_Free(*out);
+            *out = NULL;
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    return 0;
+}
+
+/* The arguments add() and remove() share: (predictions, keys, bit, replica, masks). */
+static int
+keys_event_args(const char *name, PyObject *const *args, Py_ssize_t nargs, Predictions **preds, uint32_t *replica)
+{
+    if (!check_nargs(name, nargs, 5, 5))
+        return -1;
+    if (!PyObject_TypeCheck(args[0], &PredictionsType) || !PyLong_CheckExact(args[2]) || !PyDict_Check(args[4])) {
+        PyErr_Format(PyExc_TypeError, "%s(predictions: Predictions, keys, bit: int, replica: int, masks: dict)",
+                     name);
+        return -1;
+    }
+    if (replica_of(args[3], replica) < 0)
+        return -1;
+    *preds = (Predictions *)args[0];
+    return 0;
+}
+
+PyDoc_STRVAR(add_doc,
+             "add(predictions, keys, bit, replica, masks, /)\n--\n\n"
+             "The replica (mask ``bit``, slot ``replica``) now really holds ``keys`` (a\n"
+             "``KeysStored`` event: a bytes-like of uint64 keys or a sequence of ints).\n"
+             "A key whose mask lacks ``bit`` gets it (interned through ``masks.setdefault``);\n"
+             "a key the replica held by prediction keeps its bit and loses the prediction\n"
+             "(confirmed); a key it already really held is a duplicate.\n\n"
+             "Returns ``(new, confirmed, duplicates)``.  A bad key raises before any change.");
+
+static PyObject *
+BlockTable_add(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    Predictions *preds;
+    uint32_t replica;
+    if (keys_event_args("add", args, nargs, &preds, &replica) < 0)
+        return NULL;
+    PyObject *bit = args[2], *masks = args[4];
+    uint64_t *keys;
+    Py_ssize_t n, fresh = 0, confirmed = 0, duplicates = 0;
+    if (keys_arg(args[1], &keys, &n) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    PyObject *interned_bit = intern_mask(masks, bit); /* borrowed */
+    if (interned_bit == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++)
+        PREFETCH(&t->slots[(size_t)home_of(keys[i], t->seed) & t->capacity_mask]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n)
+            PREFETCH(&t->slots[(size_t)home_of(keys[i + PREFETCH_AHEAD], t->seed) & t->capacity_mask]);
+        uint64_t key = keys[i];
+        size_t j = find(t, key);
+        if (!t->slots[j].value) { /* the common case: nobody holds it yet */
+            if (insert_at(t, j, key, interned_bit) < 0)
+                goto done;
+            fresh++;
+            continue;
+        }
+        int held = SLOT_MASK(&t->slots[j]) == interned_bit ? 1 : has_bit(t, key, bit);
+        if (held < 0)
+            goto done;
+        if (!held) {
+            if (or_bit(t, key, bit, masks) < 0)
+                goto done;
+            fresh++;
+            continue;
+        }
+        size_t at = p_find(preds, key, replica);
+        if (preds->slots[at].occupied) {
+            p_erase(preds, at);
+            confirmed++;
+        }
+        else
+            duplicates++;
+    }
+    result = Py_BuildValue("(nnn)", fresh, confirmed, duplicates);
+done:
+    PyMem_Free(keys);
+    return result;
+}
+
+PyDoc_STRVAR(remove_doc,
+             "remove(predictions, keys, bit, replica, masks, /)\n--\n\n"
+             "The replica (mask ``bit``, slot ``replica``) no longer holds ``keys`` (a\n"
+             "``KeysRemoved`` event; same key forms as ``add``).  Each key it really held\n"
+             "loses ``bit`` (the key goes when no holder is left).  A key it did not hold,\n"
+             "or held only by prediction, is unknown and left alone.\n\n"
+             "Returns ``(removed, unknown)``.  A bad key raises before any change.");
+
+static PyObject *
+BlockTable_remove(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    Predictions *preds;
+    uint32_t replica;
+    if (keys_event_args("remove", args, nargs, &preds, &replica) < 0)
+        return NULL;
+    PyObject *bit = args[2], *masks = args[4];
+    uint64_t *keys;
+    Py_ssize_t n, removed = 0, unknown = 0;
+    if (keys_arg(args[1], &keys, &n) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    PyObject *not_bit = PyNumber_Invert(bit);
+    if (not_bit == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int held = has_bit(t, keys[i], bit);
+        if (held < 0)
+            goto done;
+        if (!held || preds->slots[p_find(preds, keys[i], replica)].occupied) {
+            unknown++;
+            continue;
+        }
+        if (clear_bit(t, keys[i], bit, not_bit, masks) < 0)
+            goto done;
+        removed++;
+    }
+    result = Py_BuildValue("(nn)", removed, unknown);
+done:
+    Py_XDECREF(not_bit);
+    PyMem_Free(keys);
+    return result;
+}
+
+PyDoc_STRVAR(clear_bit_doc,
+             "clear_bit(bit, masks, /)\n--\n\n"
+             "Drop ``bit`` from every key's mask (a replica cleared or removed; its\n"
+             "predictions must be dropped from ``Predictions`` by the caller).  Keys left\n"
+             "without a holder go.  One pass over the slots, in C.  Returns how many keys\n"
+             "had the bit.");
+
+static PyObject *
+BlockTable_clear_bit(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!check_nargs("clear_bit", nargs, 2, 2))
+        return NULL;
+    PyObject *bit = args[0], *masks = args[1];
+    if (!PyLong_CheckExact(bit) || !PyDict_Check(masks)) {
+        PyErr_SetString(PyExc_TypeError, "clear_bit(bit: int, masks: dict)");
+        return NULL;
+    }
+    size_t capacity = t->capacity_mask + 1;
+    Py_ssize_t count = 0, cap = 1024;
+    uint64_t *keys = PyMem_Malloc((size_t)cap * sizeof(uint64_t));
+    PyObject *not_bit = NULL, *result = NULL;
+    if (keys == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (size_t j = 0; j < capacity; j++) { /* collect first: erasing shifts slots */
+        if (!t->slots[j].value)
+            continue;
+        int held = has_bit(t, t->slots[j].key, bit);
+        if (held < 0)
+            goto done;
+        if (!held)
+            continue;
+        if (count == cap) {
+            uint64_t *grown = PyMem_Realloc(keys, (size_t)cap * 2 * sizeof(uint64_t));
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            keys = grown;
+            cap *= 2;
+        }
+        keys[count++] = t->slots[j].key;
+    }
+    not_bit = PyNumber_Invert(bit);
+    if (not_bit == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (clear_bit(t, keys[i], bit, not_bit, masks) < 0)
+            goto done;
+    }
+    result = PyLong_FromSsize_t(count);
+done:
+    Py_XDECREF(not_bit);
+    PyMem_Free(keys);
+    return result;
+}
+
 static PyMethodDef BlockTable_methods[] = {
     {"get", (PyCFunction)(void (*)(void))BlockTable_get, METH_FASTCALL, get_doc},
     {"pop", (PyCFunction)(void (*)(void))BlockTable_pop, METH_FASTCALL, pop_doc},
-    {"take_referenced", (PyCFunction)BlockTable_take_referenced, METH_O, take_referenced_doc},
     {"clear", (PyCFunction)BlockTable_clear, METH_NOARGS, clear_doc},
     {"memory_bytes", (PyCFunction)BlockTable_memory_bytes, METH_NOARGS, memory_bytes_doc},
     {"walk", (PyCFunction)(void (*)(void))BlockTable_walk, METH_FASTCALL, walk_doc},
-    {"store", (PyCFunction)(void (*)(void))BlockTable_store, METH_FASTCALL, store_doc},
     {"predict", (PyCFunction)(void (*)(void))BlockTable_predict, METH_FASTCALL, predict_doc},
     {"expire", (PyCFunction)(void (*)(void))BlockTable_expire, METH_FASTCALL, expire_doc},
+    {"add", (PyCFunction)(void (*)(void))BlockTable_add, METH_FASTCALL, add_doc},
+    {"remove", (PyCFunction)(void (*)(void))BlockTable_remove, METH_FASTCALL, remove_doc},
+    {"clear_bit", (PyCFunction)(void (*)(void))BlockTable_clear_bit, METH_FASTCALL, clear_bit_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1051,9 +1193,8 @@ static PySequenceMethods BlockTable_as_sequence = {
 
 PyDoc_STRVAR(BlockTable_doc,
              "BlockTable(seed=0)\n--\n\n"
-             "Map of 64-bit block keys (ints in [0, 2**64)) to int masks, with a\n"
-             "referenced flag per key.  ``seed`` (64-bit) scatters keys over slots;\n"
-             "pass a random one.  Bad keys raise TypeError / OverflowError, non-int\n"
+             "Map of 64-bit block keys (ints in [0, 2**64)) to int masks.\n"
+             "``seed`` (64-bit) scatters keys over slots; pass a random one.  Bad keys raise TypeError / OverflowError, non-int\n"
              "values TypeError.");
 
 static PyTypeObject BlockTableType = {

@@ -1,112 +1,94 @@
 """Cluster-wide block index: which replica holds which block keys.
 
-The index folds every replica's KV events into one map from block key (see
-``routing.block_keys``) to the set of replicas holding that block, and
-answers "how many leading blocks of this prompt does each replica hold?".
+The index folds every replica's key events (``routing.key_events``, published
+by the KV-event relay next to each engine, ``routing.relay``) into one map from
+block key (see ``routing.block_keys``) to the set of replicas holding that
+block, and answers "how many leading blocks of this prompt does each replica
+hold?".  It hashes nothing: the relays computed the keys.
 
 Data model (each replica owns one bit; bits are recycled by ``remove_replica``):
 
 * ``holders: key -> mask`` — replicas holding the block, really or by
   prediction: a ``routing._blocktable.BlockTable`` (C, one 16-byte slot a
-  key; a Python dict costs about three cache misses a lookup at 10^5 keys,
-  which made the prompt walk memory-bound).  Masks are interned (one int
-  object per value), so the walk skips runs of blocks held by the same
-  replicas with an identity test.  The table also keeps each key's
-  "referenced" flag for eviction (below).
+  key, load factor at most 1/2; a Python dict costs about three cache misses
+  a lookup at 10^5 keys, which made the prompt walk memory-bound).  Masks are
+  interned (one int object per value), so the walk skips runs of blocks held
+  by the same replicas with an identity test.
 * ``predicted: (key, replica slot) -> until`` — the replicas' bits in
   ``holders`` that are only predicted, with their expiry (a replica's bit is
   never both real and predicted for one key): a
-  ``routing._blocktable.Predictions`` (C, 24-byte slots).  The per-block
-  loops of ingest (``store``), the walk and the blind window (``predict``,
-  ``expire``) are ``BlockTable`` methods in C; the rest is Python.
-* per replica, ``key_of: engine block hash -> key``, in store order (the
-  LRU order used for eviction); ``copies: engine hash -> n`` for blocks the
-  engine stored more than once (it does not de-duplicate physical blocks, and
-  each copy's eviction sends its own ``BlockRemoved``); ``shared: key -> n``
-  when ``n >= 2`` distinct engine hashes map to one key (e.g. a LoRA name
-  re-pointed to another path: the engine hash covers the path, our key does
-  not).
+  ``routing._blocktable.Predictions`` (C, 24-byte slots).
+* per replica, only its bit and the count of keys it really holds: the
+  relay keeps the engine-side detail (engine hashes, physical copies), so a
+  (replica, block) entry costs the index one bit of a shared mask, and the
+  holders table's slot is shared by every replica holding the key.
 
-A ``BlockStored`` names its parent by engine hash; the parent is resolved
-through the replica's ``key_of`` and the event's token ids are chained from
-the parent's key.  If the parent is unknown (a missed event, or evicted from
-this index) the blocks cannot be chained: they are skipped and counted in
-``stats.unknown_parent_events`` / ``stats.unchained_blocks``; their children
-are skipped too, until the replica's cache turns over or it is cleared.
+Every ingest and lookup loop is in C (``BlockTable.add`` / ``remove`` /
+``walk`` / ``predict`` / ``expire``); keys arrive as the wire's uint64 bytes
+and are never turned into Python ints.
 
-Memory bound: ``max_blocks`` caps the (replica, engine block) entries.  Past
-it, the replica with the most entries loses its least recently stored ones;
-blocks a lookup matched since they were last considered get a second chance
-(CLOCK-style, an LRU approximation by lookup and store that keeps lookups
-cheap).  Set the cap above the replicas' total KV capacity in blocks, so it
-only trims entries leaked by missed ``BlockRemoved`` events.
+Hygiene: a replica is known from ``add_replica`` (the router follows it) to
+``remove_replica``; key events and predictions for any other replica are
+dropped and counted (``stats.unknown_replica_events``), so a batch still in
+flight when a replica is removed cannot bring it back.  ``max_blocks`` caps the
+(replica, key) entries: keys past it are refused and counted
+(``stats.over_capacity_keys``), never evicted at random; set it above the
+cluster's KV capacity in blocks.
 
-Blind window: between routing a request and the replica's ``BlockStored``
-events arriving, ``predict`` records the prompt's blocks as held with a TTL;
-a real ``BlockStored`` confirms them, expiry retires unconfirmed ones.
+Blind window: between routing a request and the replica's ``KeysStored``
+arriving, ``predict`` records the prompt's blocks as held with a TTL; a real
+``KeysStored`` confirms them, expiry retires unconfirmed ones.
+
+Costs: ``apply_keys`` O(keys in the batch); ``match`` O(prompt blocks);
+``memory_bytes`` and every counter O(1); ``clear_replica`` /
+``remove_replica`` one pass over the holders table in C (rare: a replica's
+restart or departure).
 
 Time is passed in (``now``, seconds on any clock the caller uses
 consistently); nothing here reads the clock.  Not thread-safe: use from one
-thread / event loop.
-
-Limitations: events of another KV-cache group (``group_idx``) or block size
-than the index's are ignored (counted); a ``BlockStored`` whose token ids do
-not fill exactly its ``block_hashes`` (vLLM leaves null blocks of
-sliding-window groups out of the hashes) is counted as malformed.  vLLM's per-request
-``kv_cache_report_mode="full"`` re-announces reused blocks and would
-inflate copy counts.  All storage media (GPU, CPU offload) count as held.
+thread / event loop (the live router takes a lock around every call).
 """
 
 from __future__ import annotations
 
 import heapq
 import secrets
-import sys
-from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from itertools import islice
 
 from routing._blocktable import BlockTable, Predictions
-from routing.block_keys import ROOT_SEED, block_keys_from_stored, chain_keys
-from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, EngineBlockHash, KVEvent
+from routing.key_events import AllKeysCleared, KeyEvent, KeysRemoved, KeysStored
 
 __all__ = ["BlockIndex", "IndexStats"]
 
 _MAX_INTERNED_MASKS = 1 << 16
-_LITTLE_ENDIAN = sys.byteorder == "little"  # array('I') bytes are then the keys' uint32-LE
+_MASK_BYTES = 40  # sys.getsizeof of a small int mask plus its dict slot, roughly
 
 
 @dataclass(slots=True)
 class IndexStats:
-    """Monotonic counters of a :class:`BlockIndex`; a block is one engine block on one replica."""
+    """Monotonic counters of a :class:`BlockIndex`; an entry is one (replica, key) pair."""
 
-    blocks_stored: int = 0
-    """Blocks newly indexed from ``BlockStored``."""
-    duplicate_stores: int = 0
-    """Extra physical copies of an engine block the replica already held."""
-    blocks_removed: int = 0
-    """``BlockRemoved`` hashes applied (one per copy)."""
+    keys_stored: int = 0
+    """Entries added by ``KeysStored`` and snapshots."""
+    duplicate_keys: int = 0
+    """Stored keys the replica already held (a relay never sends these; counted, not applied)."""
+    keys_removed: int = 0
+    """Entries removed by ``KeysRemoved``."""
     unknown_removed: int = 0
-    """``BlockRemoved`` hashes the replica's map did not hold (missed, skipped or evicted here)."""
-    unknown_parent_events: int = 0
-    """``BlockStored`` events whose parent engine hash was unknown."""
-    unchained_blocks: int = 0
-    """Blocks of those events, not indexed."""
-    malformed_events: int = 0
-    """``BlockStored`` whose ``token_ids`` do not fill ``block_hashes`` blocks, or hold bad ids."""
-    ignored_events: int = 0
-    """Events of another KV-cache group or block size than the index's."""
-    undecodable_events: int = 0
-    """Events the decoder skipped (unknown type or malformed): ``DecodedBatch.skipped``."""
+    """Removed keys the replica did not hold (or held only by prediction)."""
     replica_clears: int = 0
-    """``AllBlocksCleared`` events and ``clear_replica`` calls."""
-    evicted_blocks: int = 0
-    """Entries dropped to stay under ``max_blocks``."""
+    """``AllKeysCleared`` events, snapshots and ``clear_replica`` calls."""
+    snapshots: int = 0
+    """Snapshots loaded (``load_snapshot``)."""
+    unknown_replica_events: int = 0
+    """Key events and predictions for a replica the index does not follow (dropped)."""
+    over_capacity_keys: int = 0
+    """Keys refused because the index held ``max_blocks`` entries."""
     predictions_made: int = 0
     """Blocks newly predicted by ``predict``."""
     predictions_confirmed: int = 0
-    """Predicted blocks a ``BlockStored`` confirmed before expiry."""
+    """Predicted blocks a ``KeysStored`` confirmed before expiry."""
     predictions_expired: int = 0
     """Predicted blocks retired unconfirmed."""
 
@@ -116,94 +98,78 @@ class IndexStats:
 
 
 class _Replica:
-    """Per-replica maps (see the module docstring)."""
+    """A replica's bit, slot and count of keys really held."""
 
-    __slots__ = ("bit", "slot", "key_of", "copies", "shared")
+    __slots__ = ("bit", "slot", "blocks")
 
     def __init__(self, slot: int) -> None:
         self.slot = slot
         self.bit = 1 << slot
-        self.key_of: dict[EngineBlockHash, int] = {}
-        self.copies: dict[EngineBlockHash, int] = {}
-        self.shared: dict[int, int] = {}
+        self.blocks = 0
 
 
 class BlockIndex:
     """Index of the block keys each replica holds, really or by prediction.
 
     Args:
-        max_blocks: cap on (replica, engine block) entries, > 0.
-        block_size: tokens per block; ``BlockStored`` of another size are
-            ignored.  None accepts any (keys then follow each event's size).
-        group_idx: KV-cache group to index; events of other groups are
-            ignored.  None accepts all.  Events without ``group_idx`` are
-            always accepted.
-        evict_slack: when over the cap, evict down to
-            ``max_blocks * (1 - evict_slack)`` (hysteresis).
+        max_blocks: cap on (replica, key) entries, > 0.
     """
 
-    def __init__(
-        self,
-        *,
-        max_blocks: int = 4_000_000,
-        block_size: int | None = None,
-        group_idx: int | None = 0,
-        evict_slack: float = 1 / 64,
-    ) -> None:
+    def __init__(self, *, max_blocks: int = 4_000_000) -> None:
         if max_blocks <= 0:
             raise ValueError(f"max_blocks must be positive, got {max_blocks}")
         self.max_blocks = max_blocks
-        self.block_size = block_size
-        self.group_idx = group_idx
         self.stats = IndexStats()
-        self._evict_to = max(0, max_blocks - max(1, int(max_blocks * evict_slack)))
         self._entries = 0
         self._holders = BlockTable(seed=secrets.randbits(64))
         self._masks: dict[int, int] = {}
-        self._intern = self._masks.setdefault
         self._predicted = Predictions(seed=secrets.randbits(64))
         self._replicas: dict[str, _Replica] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._expiry: list[tuple[float, int, str, bytes]] = []
         self._expiry_seq = 0
+        self._expiry_bytes = 0
         self._candidate_bits: dict[tuple[str, ...], tuple[int, dict[int, str]]] = {}
 
     # ------------------------------------------------------------------ replicas
 
     def replicas(self) -> list[str]:
-        """Ids of the replicas the index knows."""
+        """Ids of the replicas the index follows."""
         return list(self._replicas)
 
-    def _replica(self, replica_id: str) -> _Replica:
-        rs = self._replicas.get(replica_id)
-        if rs is None:
-            slot = heapq.heappop(self._free_slots) if self._free_slots else self._next_slot
-            self._next_slot = max(self._next_slot, slot + 1)
-            rs = self._replicas[replica_id] = _Replica(slot)
-            self._candidate_bits.clear()
-        return rs
+    def has_replica(self, replica_id: str) -> bool:
+        return replica_id in self._replicas
+
+    def add_replica(self, replica_id: str) -> None:
+        """Follow ``replica_id`` (holding nothing yet); a no-op if it is followed."""
+        if replica_id in self._replicas:
+            return
+        slot = heapq.heappop(self._free_slots) if self._free_slots else self._next_slot
+        self._next_slot = max(self._next_slot, slot + 1)
+        self._replicas[replica_id] = _Replica(slot)
+        self._candidate_bits.clear()
 
     def clear_replica(self, replica_id: str) -> None:
-        """Forget every block of a replica, real and predicted; the replica stays known.
+        """Forget every block of a replica, real and predicted; the replica stays followed.
 
-        For ``AllBlocksCleared``, an engine restart (its ``seq`` starts over),
-        or a gap in the event stream that replay could not fill.
+        For ``AllKeysCleared``, a snapshot about to be loaded, or an engine restart.
         """
         rs = self._replicas.get(replica_id)
         if rs is None:
             return
         self.stats.replica_clears += 1
-        clear = ~rs.bit
-        for key in rs.key_of.values():
-            self._drop_bit(key, clear)
-        for key in self._predicted.clear_replica(rs.slot):
-            self._drop_bit(key, clear)
-        self._entries -= len(rs.key_of)
-        rs.key_of, rs.copies, rs.shared = {}, {}, {}
+        self._predicted.clear_replica(rs.slot)  # the bits go with the real ones below
+        self._holders.clear_bit(rs.bit, self._masks)
+        self._entries -= rs.blocks
+        rs.blocks = 0
 
     def remove_replica(self, replica_id: str) -> None:
-        """Clear a replica and release its bit (the replica left the cluster)."""
+        """Clear a replica and release its bit (the replica left the cluster).
+
+        Final: later events and predictions for it are dropped until
+        ``add_replica`` follows it again.
+        """
         rs = self._replicas.get(replica_id)
         if rs is None:
             return
@@ -212,153 +178,73 @@ class BlockIndex:
         heapq.heappush(self._free_slots, rs.slot)
         self._candidate_bits.clear()
 
-    def _drop_bit(self, key: int, clear: int) -> None:
-        """``holders[key] &= clear`` (a replica's inverted bit); forget the key at 0."""
-        holders = self._holders
-        mask = holders.get(key)
-        if mask is None:
-            return
-        mask &= clear
-        if mask:
-            holders[key] = self._intern(mask, mask)
-        else:
-            del holders[key]
+    # ------------------------------------------------------------------ key events
 
-    # ------------------------------------------------------------------ events
+    def apply_keys(self, replica_id: str, events: Iterable[KeyEvent]) -> bool:
+        """Apply one relay batch's events from ``replica_id``, in order.
 
-    def apply_batch(self, replica_id: str, batch: DecodedBatch) -> None:
-        """Apply every event of a decoded batch from ``replica_id``, in order."""
-        self.stats.undecodable_events += batch.skipped
-        rs = self._replica(replica_id)
-        for event in batch.events:
-            kind = type(event)
-            if kind is BlockStored:
-                self._store(rs, event)  # type: ignore[arg-type]
-            elif kind is BlockRemoved:
-                self._remove(rs, event)  # type: ignore[arg-type]
-            else:
-                self.apply_event(replica_id, event)
-        if self._entries > self.max_blocks:
-            self._evict()
-        if len(self._masks) > _MAX_INTERNED_MASKS:
-            self._masks.clear()  # only costs the walk's identity shortcut for a while
-
-    def apply_event(self, replica_id: str, event: KVEvent) -> None:
-        """Apply one KV event published by ``replica_id``.
+        Returns:
+            False (nothing applied, counted) if the index does not follow the replica.
 
         Raises:
-            TypeError: ``event`` is not a KV event.
+            TypeError: an item is not a key event.
         """
-        kind = type(event)
-        if kind is BlockStored:
-            self._store(self._replica(replica_id), event)  # type: ignore[arg-type]
-        elif kind is BlockRemoved:
-            self._remove(self._replica(replica_id), event)  # type: ignore[arg-type]
-        elif kind is AllBlocksCleared:
-            self.clear_replica(replica_id)
-        else:
-            raise TypeError(f"not a KV event: {event!r}")
-        if self._entries > self.max_blocks:
-            self._evict()
-
-    def _ignored(self, group_idx: int | None, block_size: int | None) -> bool:
-        if group_idx is not None and self.group_idx is not None and group_idx != self.group_idx:
-            return True
-        return block_size is not None and self.block_size is not None and block_size != self.block_size
-
-    def _store(self, rs: _Replica, ev: BlockStored) -> None:
-        bs = ev.block_size
-        hashes = ev.block_hashes
-        if (bs != self.block_size or ev.group_idx != self.group_idx) and self._ignored(ev.group_idx, bs):
-            self.stats.ignored_events += 1
-            return
-        if bs <= 0 or len(ev.token_ids) != len(hashes) * bs:
-            self.stats.malformed_events += 1
-            return
-        key_of = rs.key_of
-        parent = ev.parent_block_hash
-        seed = ROOT_SEED if parent is None else key_of.get(parent)
-        if seed is None:
-            self.stats.unknown_parent_events += 1
-            self.stats.unchained_blocks += len(hashes)
-            return
-        try:
-            if _LITTLE_ENDIAN and ev.lora_name is None and not ev.extra_keys:
-                keys = chain_keys(array("I", ev.token_ids), bs, seed)
+        rs = self._replicas.get(replica_id)
+        if rs is None:
+            self.stats.unknown_replica_events += 1
+            return False
+        for ev in events:
+            kind = type(ev)
+            if kind is KeysStored:
+                self._store(rs, ev.keys)  # type: ignore[union-attr]
+            elif kind is KeysRemoved:
+                self._remove(rs, ev.keys)  # type: ignore[union-attr]
+            elif kind is AllKeysCleared:
+                self.clear_replica(replica_id)
             else:
-                keys = block_keys_from_stored(
-                    ev.token_ids,
-                    bs,
-                    None if parent is None else seed,
-                    lora_name=ev.lora_name,
-                    extra_keys=ev.extra_keys,
-                )
-        except (ValueError, TypeError, OverflowError):
-            self.stats.malformed_events += 1
-            return
-        # In C: key_of[eh] = key for new engine hashes, and the replica's bit
-        # or-ed into each new key's (interned) mask.
-        new, copies, held = self._holders.store(hashes, keys, key_of, rs.bit, self._masks)
-        for eh in copies:
-            self._add_copy(rs, eh)  # the engine now holds this block twice
-        for key in held:
-            self._already_held(rs, key)  # predicted, or another engine hash
-        self._entries += new
-        self.stats.blocks_stored += new
+                raise TypeError(f"not a key event: {ev!r}")
+        if len(self._masks) > _MAX_INTERNED_MASKS:
+            self._masks.clear()  # only costs the walk's identity shortcut for a while
+        return True
 
-    def _add_copy(self, rs: _Replica, eh: EngineBlockHash) -> None:
-        """One more physical copy of an engine block ``rs`` holds; it becomes most recent."""
-        self.stats.duplicate_stores += 1
-        rs.copies[eh] = rs.copies.get(eh, 1) + 1
-        rs.key_of[eh] = rs.key_of.pop(eh)
+    def load_snapshot(self, replica_id: str, keys: bytes | Sequence[int]) -> bool:
+        """Replace what ``replica_id`` holds by ``keys`` (a relay snapshot; uint64 bytes or ints).
 
-    def _already_held(self, rs: _Replica, key: int) -> None:
-        """A new engine block whose key the replica's bit already covers."""
-        if self._predicted.discard(key, rs.slot):  # the prediction came true: the bit is real now
-            self.stats.predictions_confirmed += 1
-        else:
-            rs.shared[key] = rs.shared.get(key, 1) + 1
+        Returns:
+            False (nothing applied, counted) if the index does not follow the replica.
+        """
+        rs = self._replicas.get(replica_id)
+        if rs is None:
+            self.stats.unknown_replica_events += 1
+            return False
+        self.clear_replica(replica_id)
+        self.stats.snapshots += 1
+        self._store(rs, keys)
+        return True
 
-    def _remove(self, rs: _Replica, ev: BlockRemoved) -> None:
-        stats = self.stats
-        if ev.group_idx != self.group_idx and self._ignored(ev.group_idx, None):
-            stats.ignored_events += 1
-            return
-        key_of = rs.key_of
-        copies = rs.copies
-        removed = 0
-        for eh in ev.block_hashes:
-            if copies and eh in copies:  # other physical copies remain
-                n = copies.pop(eh)
-                if n > 2:
-                    copies[eh] = n - 1
-                removed += 1
-                continue
-            key = key_of.pop(eh, None)
-            if key is None:
-                stats.unknown_removed += 1
-                continue
-            removed += 1
-            self._release(rs, key)
-        stats.blocks_removed += removed
+    def _store(self, rs: _Replica, keys: bytes | Sequence[int]) -> None:
+        room = self.max_blocks - self._entries
+        n = len(keys) // 8 if isinstance(keys, (bytes, bytearray, memoryview)) else len(keys)
+        if n > room:
+            self.stats.over_capacity_keys += n - max(room, 0)
+            if room <= 0:
+                return
+            keys = keys[: room * 8] if isinstance(keys, (bytes, bytearray, memoryview)) else keys[:room]
+        # In C: the bit or-ed into each new key's (interned) mask, predictions confirmed.
+        new, confirmed, duplicates = self._holders.add(self._predicted, keys, rs.bit, rs.slot, self._masks)
+        added = new + confirmed
+        rs.blocks += added
+        self._entries += added
+        self.stats.keys_stored += added
+        self.stats.predictions_confirmed += confirmed
+        self.stats.duplicate_keys += duplicates
 
-    def _release(self, rs: _Replica, key: int) -> None:
-        """``rs`` dropped its last engine block with ``key`` (its ``key_of`` entry is gone)."""
-        self._entries -= 1
-        shared = rs.shared
-        if shared and key in shared:  # still held under another engine hash
-            n = shared.pop(key)
-            if n > 2:
-                shared[key] = n - 1
-            return
-        holders = self._holders  # inlined _drop_bit: this is the eviction hot path
-        mask = holders.get(key)
-        if mask is not None:
-            mask &= ~rs.bit
-            if mask:
-                holders[key] = self._intern(mask, mask)
-            else:
-                del holders[key]
+    def _remove(self, rs: _Replica, keys: bytes | Sequence[int]) -> None:
+        removed, unknown = self._holders.remove(self._predicted, keys, rs.bit, rs.slot, self._masks)
+        rs.blocks -= removed
+        self._entries -= removed
+        self.stats.keys_removed += removed
+        self.stats.unknown_removed += unknown
 
     # ------------------------------------------------------------------ blind window
 
@@ -366,14 +252,17 @@ class BlockIndex:
         """Record that ``replica_id`` will hold ``keys`` soon (a request was just routed there).
 
         Predicted blocks count as held by :meth:`match` until ``now + ttl_s``
-        unless a ``BlockStored`` confirms them first; predicting again
+        unless a ``KeysStored`` confirms them first; predicting again
         extends the TTL.  Blocks the replica really holds are left alone.
 
         Returns:
             The number of blocks newly predicted.
         """
         self.expire(now)
-        rs = self._replica(replica_id)
+        rs = self._replicas.get(replica_id)
+        if rs is None:
+            self.stats.unknown_replica_events += 1
+            return 0
         until = float(now + ttl_s)
         # In C: new keys get the bit in holders and predicted, earlier
         # predictions get the new expiry, really held keys are skipped.
@@ -381,6 +270,7 @@ class BlockIndex:
         if tracked:
             self._expiry_seq += 1
             heapq.heappush(self._expiry, (until, self._expiry_seq, replica_id, tracked))
+            self._expiry_bytes += len(tracked)
         self.stats.predictions_made += new
         return new
 
@@ -390,6 +280,7 @@ class BlockIndex:
         expired = 0
         while heap and heap[0][0] <= now:
             _, _, replica_id, keys = heapq.heappop(heap)
+            self._expiry_bytes -= len(keys)
             rs = self._replicas.get(replica_id)
             if rs is None:
                 continue
@@ -445,26 +336,6 @@ class BlockIndex:
         self._candidate_bits[candidates] = (alive, rid_of_bit)
         return alive, rid_of_bit
 
-    # ------------------------------------------------------------------ capacity
-
-    def _evict(self) -> None:
-        """Trim entries to ``max_blocks * (1 - evict_slack)``, oldest first, from the largest replicas."""
-        referenced = self._holders.take_referenced
-        while self._entries > self._evict_to:
-            rs = max(self._replicas.values(), key=lambda r: len(r.key_of))
-            key_of = rs.key_of
-            if not key_of:
-                break
-            batch = min(self._entries - self._evict_to, len(key_of) // 16 + 1)
-            for eh, key in list(islice(key_of.items(), batch)):
-                if referenced(key):  # matched by a lookup since: second chance
-                    key_of[eh] = key_of.pop(eh)
-                    continue
-                del key_of[eh]
-                rs.copies.pop(eh, None)
-                self._release(rs, key)
-                self.stats.evicted_blocks += 1
-
     # ------------------------------------------------------------------ size
 
     @property
@@ -474,32 +345,23 @@ class BlockIndex:
 
     @property
     def num_replica_blocks(self) -> int:
-        """(replica, engine block) entries, extra physical copies not counted."""
+        """(replica, key) entries really held (predictions not counted)."""
         return self._entries
 
     def replica_blocks(self, replica_id: str) -> int:
-        """Engine blocks ``replica_id`` really holds (from events; predictions not counted)."""
+        """Keys ``replica_id`` really holds (predictions not counted); O(1)."""
         rs = self._replicas.get(replica_id)
-        return len(rs.key_of) if rs is not None else 0
+        return rs.blocks if rs is not None else 0
 
     def memory_bytes(self) -> int:
-        """Estimated bytes of the index's containers and the ints they hold.
+        """Bytes of the index's tables and the interned masks, O(1).
 
-        The holders table's slot array, plus each dict's own size and
-        ``sys.getsizeof`` of its keys and values; ints shared between
-        containers are counted in each, so this errs high.  O(n): for
-        diagnostics, not the hot path.
+        The two C tables' slot arrays, the pending expiries' key bytes and
+        about 40 bytes per interned mask (the int and its dict slot).
         """
-
-        def dict_bytes(d: dict) -> int:
-            return sys.getsizeof(d) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in d.items())
-
-        total = self._holders.memory_bytes() + self._predicted.memory_bytes() + dict_bytes(self._masks)
-        total += sum(len(entry[3]) for entry in self._expiry)
-        for rs in self._replicas.values():
-            total += dict_bytes(rs.key_of) + dict_bytes(rs.copies) + dict_bytes(rs.shared)
-        return total
+        return (self._holders.memory_bytes() + self._predicted.memory_bytes() + self._expiry_bytes
+                + _MASK_BYTES * len(self._masks))
 
     def bytes_per_block(self) -> float:
-        """``memory_bytes()`` per (replica, engine block) entry; 0.0 when empty."""
+        """``memory_bytes()`` per (replica, key) entry; 0.0 when empty."""
         return self.memory_bytes() / self._entries if self._entries else 0.0

@@ -1,27 +1,32 @@
-"""KV-event ingestion: one ZMQ SUB per engine replica, folded into a ``BlockIndex``.
+"""Router side of the event path: every engine's relay, folded into one ``BlockIndex``.
 
-A background thread polls every replica's PUB socket, decodes each
-``[topic, seq, payload]`` message with ``routing.events`` and applies it to the
-index under ``lock`` (the request router takes the same lock for lookups).
+Each engine replica runs a KV-event relay (``routing.relay_server``) that
+publishes the block keys it holds (``routing.key_events``).  A background
+thread of every router process subscribes to each followed replica's relay and
+keeps ``index`` equal to the relays' state, under ``lock`` (the request router
+takes the same lock for lookups):
 
-Sequence tracking, per replica (``seq`` starts at 0 in each engine process):
+1. **Follow** (``set_replica``): the replica becomes known to the index at once
+   (so routing can predict onto it); the thread connects a SUB to its relay's
+   live stream, then asks its snapshot socket for every key it holds.  Live
+   batches that arrive before the snapshot are kept.
+2. **Snapshot**: the replica's keys are replaced by the snapshot's, then the
+   kept batches of the same epoch with a later ``seq`` are applied in order.
+   The relay publishes and snapshots on one thread, so nothing falls between.
+3. **Live**: a batch with ``seq == last + 1`` is applied.  A duplicate is
+   dropped.  A gap (a dropped message), a new relay ``epoch`` (the engine
+   replica restarted) or an error applying a batch is repaired by a new
+   snapshot, never by dropping what the index holds and waiting for it to come
+   back.  A snapshot that does not come within ``snapshot_timeout_s`` is asked
+   for again, with backoff.
+4. **Unfollow** (``remove_replica``): the replica's entries go at once, and
+   events still in flight for it are dropped (checked under ``lock``), so a
+   removed replica never comes back unless followed again.
 
-* ``seq == expected``: apply.
-* ``seq > expected`` (a gap, e.g. the SUB socket joined late or dropped at the
-  high-water mark): ask the replica's replay socket (ROUTER; request
-  ``[b"", start_seq (8 bytes, big-endian)]``, answers ``[b"", topic, seq, payload]``
-  then an end marker with seq -1) for ``expected ..``; apply what it returns in
-  order. If replay cannot cover the gap (its buffer starts later, or it does not
-  answer within ``replay_timeout_s``), the replica's entries are dropped and the
-  index is rebuilt from live events from this message on.
-* ``seq < expected``: a message seen before (duplicate) is dropped and counted;
-  ``seq == 0`` after others means the engine restarted: entries dropped, tracking
-  restarts at 0.
-
-Bad frames (garbage, truncated msgpack, wrong frame count) and payloads above
-``max_payload_bytes`` are dropped and counted (``decode_errors``, ``oversized``);
-a dropped message leaves a seq gap, so the next good one triggers a replay and
-the index stays exact. Nothing here imports Ray or vLLM.
+Every error is counted by cause in ``stats`` (``errors_<cause>``); the thread is
+supervised: if its loop fails, it is restarted with fresh sockets and every
+replica re-synced from a snapshot (``loop_restarts``); ``alive()`` reports a
+loop that went round recently.  Nothing here imports Ray or vLLM.
 """
 
 from __future__ import annotations
@@ -29,144 +34,284 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable
 
 import zmq
 
-from routing.events import EventDecodeError, decode_frames, is_replay_end
 from routing.index import BlockIndex
+from routing.key_events import SNAPSHOT_REQUEST, KeyDecodeError, KeyEventBatch, decode_key_frames, decode_snapshot
+
+__all__ = ["EventSubscriber"]
 
 logger = logging.getLogger("prefix_serve.events")
 
-
-@dataclass
-class IngestStats:
-    """Counters of the event path (cumulative since start)."""
-
-    batches: int = 0
-    events: int = 0
-    skipped_events: int = 0
-    decode_errors: int = 0
-    duplicates: int = 0
-    oversized: int = 0
-    gaps: int = 0
-    replays: int = 0
-    replayed_batches: int = 0
-    replay_failures: int = 0
-    restarts: int = 0
-    last_lag_s: float = 0.0
-    max_lag_s: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return dict(self.__dict__)
+_MAX_BUFFERED = 10_000  # live batches kept while a snapshot is on its way
 
 
 @dataclass
 class _Source:
     replica_id: str
     events_endpoint: str
-    replay_endpoint: str | None
-    sub: zmq.Socket
-    expected: int | None = None  # next seq to apply; None before the first message
-    last_event_at: float = 0.0  # local clock (time.time) of the last applied batch
+    snapshot_endpoint: str
+    sub: zmq.Socket | None = None
+    epoch: int | None = None
+    seq: int = -1  # last applied (live or snapshot)
+    synced: bool = False
+    buffer: list[tuple[int, KeyEventBatch]] = field(default_factory=list)
+    snap: zmq.Socket | None = None  # DEALER with a snapshot request in flight
+    snap_deadline: float = 0.0
+    snap_not_before: float = 0.0
+    snap_backoff: float = 0.1
+    last_event_at: float = 0.0  # local clock (time.time) of the last applied batch or snapshot
     batches: int = 0
 
 
 class EventSubscriber:
-    """Keeps ``index`` in step with the KV events of a changing set of replicas.
+    """Keeps ``index`` equal to the relays of a changing set of replicas (see the module doc).
 
     Args:
-        index: the block index to fold events into.
+        index: the block index to fold key events into.
         lock: guards ``index``; hold it for every read of the index too.
-        replay_timeout_s: how long to wait for a replay answer before giving up.
-        max_payload_bytes: larger event batches are dropped (and counted).
-        clock: wall clock in seconds (batch ``ts`` is the engine's wall clock).
+        snapshot_timeout_s: how long to wait for a snapshot before asking again.
+        max_payload_bytes: larger messages are dropped (and counted).
+        clock: wall clock in seconds (batch ``ts`` is the relay's wall clock).
     """
 
-    def __init__(self, index: BlockIndex, lock: threading.Lock, replay_timeout_s: float = 1.0,
-                 max_payload_bytes: int = 64 * 1024 * 1024, clock: Callable[[], float] = time.time):
+    def __init__(self, index: BlockIndex, lock: threading.Lock, snapshot_timeout_s: float = 2.0,
+                 max_payload_bytes: int = 256 * 1024 * 1024, clock: Callable[[], float] = time.time):
         self.index = index
         self.lock = lock
-        self.replay_timeout_s = replay_timeout_s
+        self.snapshot_timeout_s = snapshot_timeout_s
         self.max_payload_bytes = max_payload_bytes
         self.clock = clock
-        self.stats = IngestStats()
+        self.stats: Counter[str] = Counter()
+        self.last_lag_s = 0.0
+        self.max_lag_s = 0.0
         self._ctx = zmq.Context.instance()
-        self._sources: dict[str, _Source] = {}
-        self._pending: list[tuple[str, str | None, str | None]] = []  # (replica, events, replay); events None = remove
-        self._pending_lock = threading.Lock()
+        self._sources: dict[str, _Source] = {}  # owned by the thread
+        self._followed: dict[str, tuple[str, str]] = {}  # replica -> (events, snapshot); under self.lock
+        self._synced: set[str] = set()
+        self._changed = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-event-subscriber", daemon=True)
-        self._thread.start()
+        self._heartbeat = time.monotonic()
+        self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()
+        self.ensure_running()
 
     # ------------------------------------------------------------- control (any thread)
 
-    def set_replica(self, replica_id: str, events_endpoint: str, replay_endpoint: str | None) -> None:
-        """Subscribe to ``replica_id`` (or re-subscribe if its endpoint changed)."""
-        with self._pending_lock:
-            self._pending.append((replica_id, events_endpoint, replay_endpoint))
+    def set_replica(self, replica_id: str, events_endpoint: str, snapshot_endpoint: str) -> None:
+        """Follow ``replica_id``'s relay (again, from a snapshot, if its endpoints changed)."""
+        endpoints = (events_endpoint, snapshot_endpoint)
+        if self._followed.get(replica_id) == endpoints:  # the hot path: no change, no lock
+            return
+        with self.lock:
+            if self._followed.get(replica_id) == endpoints:
+                return
+            self._followed[replica_id] = endpoints
+            self._synced.discard(replica_id)
+            self.index.add_replica(replica_id)
+        self._changed.set()
 
     def remove_replica(self, replica_id: str) -> None:
-        """Unsubscribe and drop the replica's entries from the index at once."""
+        """Unfollow and drop the replica's entries at once; its events in flight are dropped."""
         with self.lock:
+            self._followed.pop(replica_id, None)
+            self._synced.discard(replica_id)
             self.index.remove_replica(replica_id)
-        with self._pending_lock:
-            self._pending.append((replica_id, None, None))
+        self._changed.set()
 
     def endpoints(self) -> dict[str, str]:
-        return {rid: s.events_endpoint for rid, s in list(self._sources.items())}
+        """``{replica id: relay events endpoint}`` of the followed replicas."""
+        with self.lock:
+            return {rid: ep[0] for rid, ep in self._followed.items()}
+
+    def following(self, replica_id: str) -> bool:
+        """True while ``replica_id`` is followed (from ``set_replica`` to ``remove_replica``)."""
+        return replica_id in self._followed
+
+    def synced(self, replica_id: str) -> bool:
+        """True once the replica's snapshot is applied and its live stream follows it."""
+        return replica_id in self._synced
 
     def last_event_at(self, replica_id: str) -> float | None:
-        """Local time of the replica's last applied batch, None if none yet."""
+        """Local time of the replica's last applied batch or snapshot, None if none yet."""
         src = self._sources.get(replica_id)
         return src.last_event_at if src is not None and src.batches else None
 
+    def alive(self, within_s: float = 5.0) -> bool:
+        """True while the thread runs and its loop went round within ``within_s`` seconds."""
+        t = self._thread
+        return t is not None and t.is_alive() and time.monotonic() - self._heartbeat < within_s
+
+    def ensure_running(self) -> None:
+        """Start the thread if it is not running (it died of something its supervisor could not catch)."""
+        with self._thread_lock:
+            if self._stop.is_set() or (self._thread is not None and self._thread.is_alive()):
+                return
+            if self._thread is not None:
+                self.stats["thread_restarts"] += 1
+                logger.error("KV-event subscriber thread had died; starting it again")
+            self._heartbeat = time.monotonic()
+            self._thread = threading.Thread(target=self._supervise, name="kv-event-subscriber", daemon=True)
+            self._thread.start()
+
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2.0)
+        self._changed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
 
-    # ------------------------------------------------------------------ worker thread
+    # ------------------------------------------------------------------ the thread
 
-    def _apply_pending(self, poller: zmq.Poller) -> None:
-        with self._pending_lock:
-            pending, self._pending = self._pending, []
-        for replica_id, events, replay in pending:
-            old = self._sources.get(replica_id)
-            if old is not None and (events is None or old.events_endpoint != events):
-                poller.unregister(old.sub)
-                old.sub.close(linger=0)
-                del self._sources[replica_id]
-                if events is not None:  # same replica id, new engine endpoint: start over
-                    with self.lock:
-                        self.index.clear_replica(replica_id)
-            if events is None or replica_id in self._sources:
-                continue
-            sub = self._ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sub.setsockopt(zmq.RCVHWM, 100_000)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.connect(events)
-            poller.register(sub, zmq.POLLIN)
-            self._sources[replica_id] = _Source(replica_id, events, replay, sub)
-            logger.info("subscribed to KV events of %s at %s", replica_id, events)
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
+    def _supervise(self) -> None:
+        backoff = 0.05
         while not self._stop.is_set():
-            self._apply_pending(poller)
-            if not self._sources:
-                time.sleep(0.05)
-                continue
             try:
-                ready = dict(poller.poll(timeout=50))
-            except zmq.ZMQError:
-                continue
-            for src in list(self._sources.values()):
-                if ready.get(src.sub):
-                    self._drain(src)
+                self._loop()
+            except Exception:  # noqa: BLE001 - the event path must outlive any one failure
+                self.stats["loop_restarts"] += 1
+                logger.exception("KV-event subscriber loop failed; restarting it and re-syncing every replica")
+                self._stop.wait(backoff)
+                backoff = min(2.0, backoff * 2)
+            finally:
+                self._close_sources()
+
+    def _close_sources(self) -> None:
         for src in self._sources.values():
-            src.sub.close(linger=0)
+            self._close(src)
+        self._sources = {}
+        with self.lock:
+            self._synced.clear()
+
+    @staticmethod
+    def _close(src: _Source) -> None:
+        for sock in (src.sub, src.snap):
+            if sock is not None:
+                sock.close(linger=0)
+        src.sub = src.snap = None
+
+    def _loop(self) -> None:
+        self._changed.set()  # (re)started: open every followed replica's sockets
+        while not self._stop.is_set():
+            self._heartbeat = time.monotonic()
+            if self._changed.is_set():
+                self._changed.clear()
+                self._reconcile()
+            poller = zmq.Poller()
+            for src in self._sources.values():
+                poller.register(src.sub, zmq.POLLIN)
+                if src.snap is not None:
+                    poller.register(src.snap, zmq.POLLIN)
+                elif not src.synced and time.monotonic() >= src.snap_not_before:
+                    self._request_snapshot(src)
+                    poller.register(src.snap, zmq.POLLIN)
+            if not self._sources:
+                self._changed.wait(0.05)
+                continue
+            ready = dict(poller.poll(timeout=50))
+            for src in list(self._sources.values()):
+                if src.snap is not None and ready.get(src.snap):
+                    self._guarded(src, self._on_snapshot)
+                elif src.snap is not None and time.monotonic() > src.snap_deadline:
+                    self.stats["errors_snapshot_timeout"] += 1
+                    self._snapshot_failed(src)
+                if src.sub is not None and ready.get(src.sub):
+                    self._guarded(src, self._drain)
+
+    def _guarded(self, src: _Source, step: Callable[[_Source], None]) -> None:
+        """Run one step for one source; an error costs that source a re-sync, not the loop."""
+        try:
+            step(src)
+        except Exception:  # noqa: BLE001
+            self.stats["errors_handler"] += 1
+            logger.exception("KV-event handling failed for %s; re-syncing it from a snapshot", src.replica_id)
+            self._resync(src)
+
+    def _reconcile(self) -> None:
+        with self.lock:
+            wanted = dict(self._followed)
+        for rid in list(self._sources):
+            src = self._sources[rid]
+            if wanted.get(rid) != (src.events_endpoint, src.snapshot_endpoint):
+                self._close(src)
+                del self._sources[rid]
+        for rid, (events, snapshot) in wanted.items():
+            if rid in self._sources:
+                continue
+            src = _Source(rid, events, snapshot)
+            src.sub = self._ctx.socket(zmq.SUB)
+            src.sub.setsockopt(zmq.SUBSCRIBE, b"")
+            src.sub.setsockopt(zmq.RCVHWM, 100_000)
+            src.sub.setsockopt(zmq.LINGER, 0)
+            src.sub.connect(events)
+            self._sources[rid] = src
+            logger.info("following the KV-event relay of %s at %s", rid, events)
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _request_snapshot(self, src: _Source) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(src.snapshot_endpoint)
+        sock.send(SNAPSHOT_REQUEST)
+        src.snap = sock
+        src.snap_deadline = time.monotonic() + self.snapshot_timeout_s
+        self.stats["snapshot_requests"] += 1
+
+    def _snapshot_failed(self, src: _Source) -> None:
+        if src.snap is not None:
+            src.snap.close(linger=0)
+            src.snap = None
+        src.snap_not_before = time.monotonic() + src.snap_backoff
+        src.snap_backoff = min(2.0, src.snap_backoff * 2)
+
+    def _on_snapshot(self, src: _Source) -> None:
+        payload = src.snap.recv()
+        src.snap.close(linger=0)
+        src.snap = None
+        if len(payload) > self.max_payload_bytes:
+            self.stats["errors_oversized"] += 1
+            self._snapshot_failed(src)
+            return
+        try:
+            snap = decode_snapshot(payload)
+        except KeyDecodeError as e:
+            self.stats["errors_decode"] += 1
+            logger.warning("bad KV-event snapshot from %s: %s", src.replica_id, e)
+            self._snapshot_failed(src)
+            return
+        with self.lock:
+            if not self._still_followed(src):
+                return
+            self.index.load_snapshot(src.replica_id, snap.keys)
+            self._synced.add(src.replica_id)
+        self.stats["snapshots"] += 1
+        src.snap_backoff = 0.1
+        src.epoch, src.seq, src.synced = snap.epoch, snap.seq, True
+        src.last_event_at = self.clock()
+        src.batches += 1
+        kept, src.buffer = src.buffer, []
+        for seq, batch in sorted(kept, key=lambda item: item[0]):
+            self._live(src, seq, batch)
+
+    def _resync(self, src: _Source, keep: tuple[int, KeyEventBatch] | None = None) -> None:
+        """Ask for a new snapshot; live batches are kept until it comes."""
+        src.synced = False
+        with self.lock:
+            self._synced.discard(src.replica_id)
+        src.buffer = [keep] if keep is not None else []
+
+    def _still_followed(self, src: _Source) -> bool:
+        """Under ``lock``: is ``src`` still the followed relay of its replica?"""
+        if self._followed.get(src.replica_id) == (src.events_endpoint, src.snapshot_endpoint):
+            return True
+        self.stats["errors_unfollowed_replica"] += 1
+        return False
+
+    # ------------------------------------------------------------------ live stream
 
     def _drain(self, src: _Source, max_messages: int = 1000) -> None:
         for _ in range(max_messages):
@@ -174,87 +319,45 @@ class EventSubscriber:
                 frames = src.sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(src, frames)
+            if frames and len(frames[-1]) > self.max_payload_bytes:
+                self.stats["errors_oversized"] += 1  # the seq gap it leaves brings a snapshot
+                continue
+            try:
+                seq, batch = decode_key_frames(frames)
+            except KeyDecodeError as e:
+                self.stats["errors_decode"] += 1
+                logger.debug("dropped a bad key-event message from %s: %s", src.replica_id, e)
+                continue
+            self._live(src, seq, batch)
 
-    def _handle(self, src: _Source, frames: list[bytes]) -> None:
-        if frames and len(frames[-1]) > self.max_payload_bytes:
-            self.stats.oversized += 1
+    def _live(self, src: _Source, seq: int, batch: KeyEventBatch) -> None:
+        if not src.synced:
+            if len(src.buffer) >= _MAX_BUFFERED:
+                self.stats["errors_buffer_overflow"] += 1
+                src.buffer.clear()  # the snapshot's successor will not line up: a new one follows
+            src.buffer.append((seq, batch))
             return
-        try:
-            _topic, seq, batch = decode_frames(frames)
-        except EventDecodeError as e:
-            self.stats.decode_errors += 1
-            logger.debug("dropped bad KV event message from %s: %s", src.replica_id, e)
+        if batch.epoch != src.epoch:
+            self.stats["epoch_changes"] += 1
+            self._resync(src, (seq, batch))
             return
-        if src.expected is not None and seq < src.expected:
-            if seq == 0:  # the engine process restarted: what we held is gone
-                self.stats.restarts += 1
-                with self.lock:
-                    self.index.clear_replica(src.replica_id)
-                src.expected = 0
-            else:
-                self.stats.duplicates += 1
-                return
-        expected = 0 if src.expected is None else src.expected
-        if seq > expected:
-            self.stats.gaps += 1
-            if not self._replay(src, expected, seq):
-                self.stats.replay_failures += 1
-                with self.lock:
-                    self.index.clear_replica(src.replica_id)
-        self._apply(src, seq, batch)
-
-    def _apply(self, src: _Source, seq: int, batch) -> None:
+        if seq <= src.seq:
+            self.stats["duplicates"] += 1
+            return
+        if seq != src.seq + 1:
+            self.stats["errors_gap"] += 1
+            self._resync(src, (seq, batch))
+            return
         with self.lock:
-            self.index.apply_batch(src.replica_id, batch)
+            if not self._still_followed(src):
+                return
+            self.index.apply_keys(src.replica_id, batch.events)
+        src.seq = seq
         now = self.clock()
-        src.expected = seq + 1
         src.last_event_at = now
         src.batches += 1
-        self.stats.batches += 1
-        self.stats.events += len(batch.events)
-        self.stats.skipped_events += batch.skipped
+        self.stats["batches"] += 1
+        self.stats["events"] += len(batch.events)
         lag = max(0.0, now - batch.ts)
-        self.stats.last_lag_s = lag
-        self.stats.max_lag_s = max(self.stats.max_lag_s, lag)
-
-    def _replay(self, src: _Source, start: int, stop: int) -> bool:
-        """Fetch and apply batches ``start .. stop-1``; True if all of them came."""
-        if not src.replay_endpoint:
-            return False
-        self.stats.replays += 1
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        got: list[tuple[int, object]] = []
-        try:
-            sock.connect(src.replay_endpoint)
-            sock.send_multipart([b"", start.to_bytes(8, "big")])
-            deadline = time.monotonic() + self.replay_timeout_s
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not sock.poll(int(remaining * 1000)):
-                    return False
-                frames = sock.recv_multipart()
-                if frames and frames[0] == b"":
-                    frames = frames[1:]
-                if is_replay_end(frames):
-                    break
-                if len(frames[-1]) > self.max_payload_bytes:
-                    self.stats.oversized += 1
-                    return False
-                try:
-                    _t, seq, batch = decode_frames(frames)
-                except EventDecodeError:
-                    self.stats.decode_errors += 1
-                    return False
-                if start <= seq < stop:
-                    got.append((seq, batch))
-        finally:
-            sock.close(linger=0)
-        got.sort(key=lambda x: x[0])
-        if [s for s, _ in got] != list(range(start, stop)):
-            return False
-        for seq, batch in got:
-            self._apply(src, seq, batch)
-            self.stats.replayed_batches += 1
-        return True
+        self.last_lag_s = lag
+        self.max_lag_s = max(self.max_lag_s, lag)

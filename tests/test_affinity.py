@@ -1,4 +1,4 @@
-"""The router's decision sequence (routing.affinity) on a real index fed real events."""
+"""The router's decision sequence (routing.affinity) on a real index fed real events (through the relay)."""
 
 import random
 
@@ -6,8 +6,9 @@ import pytest
 
 from routing.affinity import AffinityRouter, Candidate
 from routing.block_keys import block_keys
-from routing.events import BlockStored, decode_batch, encode_batch
+from routing.events import BlockStored
 from routing.index import BlockIndex
+from routing.relay import KeyRelay
 
 BS = 16
 
@@ -16,7 +17,14 @@ def feed(index: BlockIndex, replica: str, tokens: list[int], first_hash: int) ->
     n = len(tokens) // BS
     ev = BlockStored(block_hashes=list(range(first_hash, first_hash + n)), parent_block_hash=None,
                      token_ids=tokens[: n * BS], block_size=BS, lora_id=None, medium="GPU", lora_name=None)
-    index.apply_batch(replica, decode_batch(encode_batch([ev], ts=0.0)))
+    index.apply_keys(replica, KeyRelay(BS).apply([ev]))
+
+
+def followed(index: BlockIndex, ids: tuple[str, ...] = ("a", "b", "c", "d", "r0", "r1")) -> BlockIndex:
+    """The index following replicas ``ids`` (the live router's subscriber adds each replica it follows)."""
+    for rid in ids:
+        index.add_replica(rid)
+    return index
 
 
 def candidates(*ids):
@@ -24,7 +32,7 @@ def candidates(*ids):
 
 
 def test_routes_to_the_holder_and_predicts_for_the_burst():
-    index = BlockIndex(max_blocks=10_000)
+    index = followed(BlockIndex(max_blocks=10_000))
     router = AffinityRouter(index, rng=random.Random(0))
     prefix = list(range(1, 1 + 64 * BS))
     feed(index, "a", prefix, 1000)
@@ -58,7 +66,7 @@ def test_routes_to_the_holder_and_predicts_for_the_burst():
 def test_predictions_last_while_the_request_waits_for_its_prefill():
     # Under overload a request queues for minutes before the engine computes (and
     # announces) its blocks; the next request with its prefix must still see them.
-    index = BlockIndex(max_blocks=10_000)
+    index = followed(BlockIndex(max_blocks=10_000))
     router = AffinityRouter(index, predicted_ttl_s=2.0, queued_predicted_ttl_s=600.0, rng=random.Random(0))
     prompt = list(range(1, 1 + 8 * BS))
     keys = block_keys(prompt, BS)
@@ -87,7 +95,7 @@ def test_predictions_last_while_the_request_waits_for_its_prefill():
 
 
 def test_ending_one_queued_request_keeps_the_prefix_other_queued_requests_share():
-    index = BlockIndex(max_blocks=10_000)
+    index = followed(BlockIndex(max_blocks=10_000))
     router = AffinityRouter(index, predicted_ttl_s=2.0, queued_predicted_ttl_s=600.0, rng=random.Random(0))
     shared = list(range(1, 1 + 4 * BS))
     a, b = shared + [7] * BS, shared + [8] * BS  # 5 blocks each, the first 4 shared
@@ -112,7 +120,7 @@ def test_ending_one_queued_request_keeps_the_prefix_other_queued_requests_share(
 
 
 def test_free_blocks_come_from_the_engines_capacity_less_what_the_index_holds():
-    index = BlockIndex(max_blocks=10_000)
+    index = followed(BlockIndex(max_blocks=10_000))
     router = AffinityRouter(index, rng=random.Random(0))
     feed(index, "a", list(range(1, 1 + 60 * BS)), 1)  # "a" caches 60 blocks of another prompt
     prompt = list(range(9000, 9000 + 40 * BS))
@@ -133,7 +141,7 @@ def test_free_blocks_come_from_the_engines_capacity_less_what_the_index_holds():
 
 
 def test_stalled_replica_is_routed_by_load_only():
-    index = BlockIndex(max_blocks=10_000)
+    index = followed(BlockIndex(max_blocks=10_000))
     router = AffinityRouter(index, stale_events_s=30, rng=random.Random(0))
     prefix = list(range(1, 1 + 8 * BS))
     feed(index, "a", prefix, 1)

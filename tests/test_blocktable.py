@@ -118,7 +118,6 @@ def test_bad_keys_and_values_are_refused_without_damage() -> None:
     with pytest.raises(OverflowError):
         table.walk([7, -1], 1)
     assert len(table) == 1 and table[7] == 3 and 8 not in table
-    assert not table.take_referenced(7)  # the failed walks flagged nothing
 
 
 def test_references_to_masks_are_counted() -> None:
@@ -191,10 +190,6 @@ def test_walk_matches_the_per_replica_count(trial: int) -> None:
     assert got == want
     assert end == max(want.values(), default=0)
     assert [i for i, _ in drops] == sorted(i for i, _ in drops)
-    for n, k in enumerate(keys):
-        if k in masks:  # flagged exactly when the walk matched it for some replica
-            assert table.take_referenced(k) == (n < end)
-            assert not table.take_referenced(k)
 
 
 def test_walk_accepts_any_sequence_of_keys() -> None:
@@ -247,52 +242,82 @@ def test_chain_loop_errors() -> None:
         chain_keys(failing, array("I", range(8)), 4, 0, b"")
 
 
-def test_store_folds_blocks_in_like_the_documented_loop() -> None:
-    """``store`` against its definition run on a dict: new keys, other replicas' keys, copies, already held."""
+def test_key_events_fold_in_like_the_documented_loop() -> None:
+    """``add`` / ``remove`` / ``clear_bit`` against their definitions run on dicts, predictions included."""
+    from routing._blocktable import Predictions
+    from routing.key_events import keys_to_bytes
+
     rng = random.Random(11)
-    table, model = BlockTable(seed=5), {}
+    table, preds = BlockTable(seed=5), Predictions(seed=9)
     masks: dict[int, int] = {}
-    model_masks: dict[int, int] = {}
-    key_of = {b: {} for b in (1, 2, 4)}
-    model_key_of = {b: {} for b in (1, 2, 4)}
+    model: dict[int, int] = {}  # key -> mask (real or predicted)
+    predicted: set[tuple[int, int]] = set()  # (key, slot)
     keys = [rng.getrandbits(64) for _ in range(40)]
-    for _ in range(300):
-        bit = rng.choice((1, 2, 4))
-        n = rng.randrange(0, 6)
-        hashes = [rng.choice((rng.randrange(60), b"h%d" % rng.randrange(60))) for _ in range(n)]
-        batch = [int(str(rng.choice(keys))) for _ in range(n)]  # fresh int objects, as chain_keys makes
-        new, copies, held = table.store(hashes, batch, key_of[bit], bit, masks)
-        want_new, want_copies, want_held = 0, [], []
-        for h, k in zip(hashes, batch):
-            if h in model_key_of[bit]:
-                want_copies.append(h)
-                continue
-            model_key_of[bit][h] = k
-            want_new += 1
-            mask = model.get(k, 0)
-            if mask & bit:
-                want_held.append(k)
-            else:
-                model[k] = model_masks.setdefault(mask | bit, mask | bit)
-        assert (new, copies, held) == (want_new, want_copies, want_held)
-        assert key_of == model_key_of
+    for step in range(600):
+        slot = rng.randrange(3)
+        bit = 1 << slot
+        batch = [rng.choice(keys) for _ in range(rng.randrange(0, 6))]
+        wire = keys_to_bytes(batch) if step % 2 else batch  # both key forms
+        op = rng.random()
+        if op < 0.15:  # a prediction for the blind window
+            table.predict(preds, batch, bit, slot, 1e9, masks)
+            for k in batch:
+                if not model.get(k, 0) & bit:
+                    model[k] = model.get(k, 0) | bit
+                    predicted.add((k, slot))
+        elif op < 0.6:
+            want = [0, 0, 0]
+            for k in batch:
+                if not model.get(k, 0) & bit:
+                    model[k] = model.get(k, 0) | bit
+                    want[0] += 1
+                elif (k, slot) in predicted:
+                    predicted.discard((k, slot))
+                    want[1] += 1
+                else:
+                    want[2] += 1
+            assert table.add(preds, wire, bit, slot, masks) == tuple(want)
+        elif op < 0.95:
+            want = [0, 0]
+            for k in batch:
+                if model.get(k, 0) & bit and (k, slot) not in predicted:
+                    model[k] &= ~bit
+                    if not model[k]:
+                        del model[k]
+                    want[0] += 1
+                else:
+                    want[1] += 1
+            assert table.remove(preds, wire, bit, slot, masks) == tuple(want)
+        else:
+            preds.clear_replica(slot)
+            predicted = {(k, s) for k, s in predicted if s != slot}
+            had = sum(1 for m in model.values() if m & bit)
+            assert table.clear_bit(bit, masks) == had
+            model = {k: m & ~bit for k, m in model.items() if m & ~bit}
         check_same(table, model, keys)
-    assert masks == model_masks
+        assert len(preds) == len(predicted)
     for k in keys:  # stored masks are the interned objects
         if k in table:
             assert table[k] is masks[table[k]]
 
 
-def test_store_refuses_bad_arguments() -> None:
-    table = BlockTable()
-    for args in (([1], [5], [], 1, {}), ([1], [5], {}, "1", {}), ([1], [5], {}, 1, None), (1, [5], {}, 1, {})):
+def test_key_events_refuse_bad_arguments_before_any_change() -> None:
+    from routing._blocktable import Predictions
+
+    table, preds = BlockTable(), Predictions()
+    for args in (([5], 1, 0, {}), (preds, [5], "1", 0, {}), (preds, [5], 1, 0, None), (preds, 5, 1, 0, {}),
+                 (None, [5], 1, 0, {})):
         with pytest.raises(TypeError):
-            table.store(*args)
-    key_of: dict = {}
+            table.add(*args)
+        with pytest.raises(TypeError):
+            table.remove(*args)
     with pytest.raises(OverflowError):
-        table.store([1, 2], [5, -5], key_of, 1, {})
-    assert table.get(5) == 1 and len(table) == 1  # the block before the bad key is in, the bad one is not
-    assert key_of == {1: 5}
+        table.add(preds, [5, -5], 1, 0, {})
+    with pytest.raises(ValueError):
+        table.add(preds, b"\x00" * 12, 1, 0, {})  # not whole uint64s
+    assert len(table) == 0  # nothing before the bad key went in
+    with pytest.raises(TypeError):
+        table.clear_bit("1", {})
 
 
 def test_blind_window_predict_and_expire_against_a_model() -> None:
@@ -390,12 +415,11 @@ def test_reentrant_or_odd_callers_cannot_corrupt_the_table() -> None:
     table[1] = 1
     with pytest.raises(TypeError):
         table.walk([1], Alive(1))
+    from routing._blocktable import Predictions
+
     with pytest.raises(TypeError):
-        table.store([b"h"], [5], {}, 1, {1: 1.0})  # an interned "mask" that is not an int
+        table.add(Predictions(), [5], 1, 0, {1: 1.0})  # an interned "mask" that is not an int
     assert 5 not in table
-    key_of: dict = {}
-    assert table.store([b"a"], [7], key_of, 2, {}) == (1, [], [])
-    assert table.store([b"a"], [7], key_of, 2, {}) == (0, [b"a"], [])  # same key object again: a copy
 
     def resizing(data, seed):
         data.extend(b"xx")  # the scratch buffer grows under the loop

@@ -1,4 +1,10 @@
-"""BlockIndex: event folding, copies, unknown parents, predictions, capacity, and a model check."""
+"""The event path's state: vLLM events -> ``KeyRelay`` (engine side) -> ``BlockIndex`` (router side).
+
+Copies, unknown parents, predictions, capacity, hygiene and a model check.
+Most cases run the whole pipeline (``Pipeline``): what the index answers is
+what a router would after the relay's key events; relay-only counters are read
+from the relays.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +14,50 @@ import msgspec
 import pytest
 
 from routing.block_keys import block_keys
-from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, decode_batch
+from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from routing.index import BlockIndex
+from routing.key_events import AllKeysCleared, KeysRemoved, KeysStored, keys_to_bytes
+from routing.relay import KeyRelay, RelayStats
 
 BS = 4
+
+
+class Pipeline:
+    """One ``KeyRelay`` per replica in front of one ``BlockIndex``, as in the live event path.
+
+    Index methods pass through; ``stats`` adds the relays' counters (summed) to the
+    index's; where both have a counter of one name, the index's is kept.
+    """
+
+    def __init__(self, bs: int = BS, **index_kwargs) -> None:
+        self.bs = bs
+        self.index = BlockIndex(**index_kwargs)
+        self.relays: dict[str, KeyRelay] = {}
+        for rid in R:  # followed from the start, as a router follows every replica it may route to
+            self.relay(rid)
+
+    def relay(self, rid: str) -> KeyRelay:
+        if rid not in self.relays:
+            self.relays[rid] = KeyRelay(self.bs)
+            self.index.add_replica(rid)
+        return self.relays[rid]
+
+    def apply_event(self, rid: str, event) -> None:
+        self.index.apply_keys(rid, self.relay(rid).apply([event]))
+
+    def apply_events(self, rid: str, events) -> None:
+        self.index.apply_keys(rid, self.relay(rid).apply(list(events)))
+
+    @property
+    def stats(self):
+        merged = self.index.stats.as_dict()
+        for name in RelayStats.__slots__:
+            if name not in merged:
+                merged[name] = sum(getattr(r.stats, name) for r in self.relays.values())
+        return type("Stats", (), merged)
+
+    def __getattr__(self, name):
+        return getattr(self.index, name)
 
 
 def stored(hashes: list, tokens: list[int], parent=None, *, lora=None, extra=None, group=0, bs=BS) -> BlockStored:
@@ -38,7 +84,7 @@ R = ("r0", "r1", "r2")
 
 
 def test_stored_chain_across_events_and_match() -> None:
-    idx = BlockIndex(block_size=BS)
+    idx = Pipeline()
     idx.apply_event("r0", stored([10, 11, 12], TOKS[:12]))
     idx.apply_event("r0", stored([13, 14], TOKS[12:20], parent=12))  # parent resolved via engine hash
     idx.apply_event("r1", stored([20, 21], TOKS[:8]))
@@ -46,19 +92,19 @@ def test_stored_chain_across_events_and_match() -> None:
     assert idx.match(KEYS[:1], ["r1"], 0.0) == {"r1": 1}
     assert idx.match([], R, 0.0) == {"r0": 0, "r1": 0, "r2": 0}
     assert idx.match(KEYS, ["unknown"], 0.0) == {"unknown": 0}
-    assert idx.stats.blocks_stored == 7
+    assert idx.stats.blocks_stored == 7 and idx.stats.keys_stored == 7
     assert idx.num_keys == 5 and idx.num_replica_blocks == 7
 
 
 def test_match_counts_consecutive_blocks_only() -> None:
-    idx = BlockIndex(block_size=BS)
+    idx = Pipeline()
     idx.apply_event("r0", stored([1, 2, 3, 4], TOKS[:16]))
     idx.apply_event("r0", removed(2))  # a hole at block 1
     assert idx.match(KEYS, ["r0"], 0.0) == {"r0": 1}
 
 
 def test_bytes_engine_hashes() -> None:
-    idx = BlockIndex(block_size=BS)
+    idx = Pipeline()
     h = [bytes([i]) * 32 for i in range(3)]
     idx.apply_event("r0", stored(h[:2], TOKS[:8]))
     idx.apply_event("r0", stored(h[2:], TOKS[8:12], parent=h[1]))
@@ -68,30 +114,31 @@ def test_bytes_engine_hashes() -> None:
 
 
 def test_unknown_parent_is_skipped_and_counted() -> None:
-    idx = BlockIndex(block_size=BS)
+    idx = Pipeline()
     idx.apply_event("r0", stored([13, 14], TOKS[12:20], parent=999))
     assert idx.stats.unknown_parent_events == 1 and idx.stats.unchained_blocks == 2
     assert idx.num_keys == 0
     idx.apply_event("r0", removed(13))
-    assert idx.stats.unknown_removed == 1
+    assert idx.relays["r0"].stats.unknown_removed == 1
 
 
 def test_duplicate_physical_copies() -> None:
-    idx = BlockIndex(block_size=BS)
+    idx = Pipeline()
     idx.apply_event("r0", stored([1, 2], TOKS[:8]))
     idx.apply_event("r0", stored([1, 2], TOKS[:8]))  # same hashes stored again: second copies
     assert idx.stats.duplicate_stores == 2 and idx.num_replica_blocks == 2
+    assert idx.index.stats.duplicate_keys == 0  # the relay sends each key once
     idx.apply_event("r0", removed(2))
     assert idx.match(KEYS, ["r0"], 0.0) == {"r0": 2}  # one copy of block 1 left
     idx.apply_event("r0", removed(2))
     assert idx.match(KEYS, ["r0"], 0.0) == {"r0": 1}
     idx.apply_event("r0", removed(2))
-    assert idx.stats.unknown_removed == 1
-    assert idx.stats.blocks_removed == 2
+    assert idx.relays["r0"].stats.unknown_removed == 1
+    assert idx.index.stats.keys_removed == 1 and idx.index.stats.unknown_removed == 0
 
 
 def test_same_key_under_two_engine_hashes() -> None:
-    idx = BlockIndex(block_size=BS)
+    idx = Pipeline()
     idx.apply_event("r0", stored([1], TOKS[:4]))
     idx.apply_event("r0", stored([7], TOKS[:4]))  # another engine hash, same content key
     idx.apply_event("r0", removed(1))
@@ -102,13 +149,13 @@ def test_same_key_under_two_engine_hashes() -> None:
 
 
 def test_clear_and_remove_replica() -> None:
-    idx = BlockIndex(block_size=BS)
+    idx = Pipeline()
     idx.apply_event("r0", stored([1, 2, 3], TOKS[:12]))
     idx.apply_event("r1", stored([1, 2], TOKS[:8]))
     idx.predict("r0", KEYS[:6], now=0.0, ttl_s=10.0)
-    idx.apply_batch("r0", DecodedBatch(1.0, [AllBlocksCleared()], 0))
+    idx.apply_event("r0", AllBlocksCleared())
     assert idx.match(KEYS, R, 1.0) == {"r0": 0, "r1": 2, "r2": 0}
-    assert idx.stats.replica_clears == 1
+    assert idx.stats.replica_clears == 1 and idx.relays["r0"].stats.clears == 1
     idx.apply_event("r0", stored([1], TOKS[:4]))  # fresh after the clear
     assert idx.match(KEYS, R, 1.0)["r0"] == 1
     idx.remove_replica("r1")
@@ -120,7 +167,7 @@ def test_clear_and_remove_replica() -> None:
 
 
 def test_filters_group_and_block_size() -> None:
-    idx = BlockIndex(block_size=BS, group_idx=0)
+    idx = Pipeline()
     idx.apply_event("r0", stored([1], TOKS[:4], group=1))
     idx.apply_event("r0", stored([2], TOKS[:8], bs=8))
     idx.apply_event("r0", BlockRemoved(block_hashes=[1], medium="GPU", group_idx=1))
@@ -132,7 +179,7 @@ def test_filters_group_and_block_size() -> None:
 
 
 def test_lora_and_salt_events_match_request_keys() -> None:
-    idx = BlockIndex(block_size=BS)
+    idx = Pipeline()
     idx.apply_event("r0", stored([1, 2], TOKS[:8], lora="ad", extra=[("ad", "salt"), ("ad",)]))
     idx.apply_event("r0", stored([3], TOKS[8:12], parent=2, lora="ad", extra=[("ad",)]))
     assert idx.match(block_keys(TOKS, BS, lora_name="ad", cache_salt="salt"), ["r0"], 0.0) == {"r0": 3}
@@ -142,7 +189,7 @@ def test_lora_and_salt_events_match_request_keys() -> None:
 
 
 def test_predictions_blind_window() -> None:
-    idx = BlockIndex(block_size=BS)
+    idx = Pipeline()
     idx.apply_event("r0", stored([1, 2], TOKS[:8]))
     assert idx.predict("r0", KEYS[:6], now=10.0, ttl_s=2.0) == 4  # blocks 0-1 are real already
     assert idx.predict("r1", KEYS[:3], now=10.0, ttl_s=5.0) == 3
@@ -160,7 +207,7 @@ def test_predictions_blind_window() -> None:
 
 
 def test_confirmed_prediction_survives_expiry_and_removal_is_exact() -> None:
-    idx = BlockIndex(block_size=BS)
+    idx = Pipeline()
     idx.predict("r0", KEYS[:2], now=0.0, ttl_s=1.0)
     idx.apply_event("r0", stored([1, 2], TOKS[:8]))
     assert idx.match(KEYS, ["r0"], 5.0) == {"r0": 2}
@@ -168,40 +215,75 @@ def test_confirmed_prediction_survives_expiry_and_removal_is_exact() -> None:
     assert idx.match(KEYS, ["r0"], 5.0) == {"r0": 1}
 
 
-def test_capacity_evicts_least_recently_used() -> None:
-    idx = BlockIndex(block_size=BS, max_blocks=20, evict_slack=0.25)
-    rng = random.Random(0)
-    hot = [rng.randrange(1000) for _ in range(3 * BS)]
-    idx.apply_event("r0", stored([1, 2, 3], hot))
-    hot_keys = block_keys(hot, BS)
-    for n in range(10):
-        idx.match(hot_keys, ["r0"], 0.0)  # the hot prefix keeps being looked up
-        cold = [rng.randrange(1000) for _ in range(2 * BS)]
-        idx.apply_event("r0", stored([100 + 2 * n, 101 + 2 * n], cold))
-    assert idx.num_replica_blocks <= 20
-    assert idx.stats.evicted_blocks >= 3
-    assert idx.match(hot_keys, ["r0"], 0.0) == {"r0": 3}  # referenced keys got a second chance
-    idx.apply_event("r0", removed(100))  # the oldest cold block went first
-    assert idx.stats.unknown_removed == 1  # it was evicted here
+def test_capacity_refuses_keys_past_the_cap_and_counts_them() -> None:
+    idx = BlockIndex(max_blocks=5)
+    idx.add_replica("r0")
+    idx.add_replica("r1")
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(KEYS[:4]))])
+    idx.apply_keys("r1", [KeysStored(None, keys_to_bytes(KEYS[:3]))])  # room for one
+    assert idx.num_replica_blocks == 5 and idx.stats.over_capacity_keys == 2
+    assert idx.match(KEYS, R, 0.0) == {"r0": 4, "r1": 1, "r2": 0}
+    idx.apply_keys("r0", [KeysRemoved(keys_to_bytes(KEYS[3:4]))])
+    idx.apply_keys("r1", [KeysStored(KEYS[0], keys_to_bytes(KEYS[1:2]))])  # room again
+    assert idx.match(KEYS, R, 0.0) == {"r0": 3, "r1": 2, "r2": 0}
+
+
+def test_events_for_a_replica_not_followed_are_dropped_and_removal_is_final() -> None:
+    """The regression of a threaded run: batches queued before a removal re-created the replica."""
+    idx = BlockIndex()
+    idx.add_replica("r0")
+    stored_keys = [KeysStored(None, keys_to_bytes(KEYS[:6]))]
+    assert idx.apply_keys("r0", stored_keys)
+    idx.remove_replica("r0")
+    assert idx.apply_keys("r0", stored_keys) is False  # in flight when it was removed
+    assert idx.apply_keys("r9", [KeysRemoved(keys_to_bytes(KEYS[:1]))]) is False  # never followed
+    assert idx.load_snapshot("r0", keys_to_bytes(KEYS)) is False
+    assert idx.predict("r0", KEYS, now=0.0, ttl_s=5.0) == 0
+    assert idx.stats.unknown_replica_events == 4
+    assert idx.replicas() == [] and idx.num_keys == 0 and idx.num_replica_blocks == 0
+    assert idx.match(KEYS, ("r0", "r9"), 0.0) == {"r0": 0, "r9": 0}
+    idx.add_replica("r0")  # followed again: it starts from nothing
+    assert idx.match(KEYS, ("r0",), 0.0) == {"r0": 0}
+
+
+def test_snapshot_replaces_what_the_replica_holds_and_keeps_others() -> None:
+    idx = BlockIndex()
+    for rid in R:
+        idx.add_replica(rid)
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(KEYS[:3]))])
+    idx.apply_keys("r1", [KeysStored(None, keys_to_bytes(KEYS[:2]))])
+    idx.predict("r0", KEYS[:8], now=0.0, ttl_s=10.0)
+    assert idx.load_snapshot("r0", keys_to_bytes(KEYS[:5]))
+    assert idx.match(KEYS, R, 1.0) == {"r0": 5, "r1": 2, "r2": 0}  # predictions went with the old state
+    assert idx.replica_blocks("r0") == 5 and idx.num_replica_blocks == 7 and idx.num_keys == 5
+    assert idx.load_snapshot("r0", KEYS[:1])  # ints work too
+    assert idx.match(KEYS, R, 1.0) == {"r0": 1, "r1": 2, "r2": 0}
+    idx.apply_keys("r1", [AllKeysCleared()])
+    assert idx.match(KEYS, R, 1.0) == {"r0": 1, "r1": 0, "r2": 0}
+    assert idx.stats.snapshots == 2 and idx.num_keys == 1
 
 
 def test_memory_report() -> None:
-    idx = BlockIndex(block_size=BS)
+    idx = Pipeline()
     assert idx.bytes_per_block() == 0.0
     idx.apply_event("r0", stored(list(range(1, 11)), TOKS))
-    assert 50 < idx.bytes_per_block() < 2000
+    assert 16 < idx.bytes_per_block() < 2000
     assert idx.memory_bytes() > 0
 
 
-def test_apply_event_rejects_non_events() -> None:
+def test_non_events_are_rejected() -> None:
+    idx = BlockIndex()
+    idx.add_replica("r0")
     with pytest.raises(TypeError):
-        BlockIndex().apply_event("r0", "BlockStored")  # type: ignore[arg-type]
+        idx.apply_keys("r0", ["KeysStored"])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        KeyRelay(BS).apply(["BlockStored"])  # type: ignore[list-item]
 
 
 def test_randomized_against_a_naive_model() -> None:
     """Random stores/removes/duplicates on 3 replicas vs. recomputing from the held block set."""
     rng = random.Random(1234)
-    idx = BlockIndex(block_size=BS)
+    idx = Pipeline()
     vocab = 5
     held: dict[str, dict[int, tuple[int, ...]]] = {r: {} for r in R}  # engine hash -> prefix tokens
     copies: dict[str, dict[int, int]] = {r: {} for r in R}
@@ -270,9 +352,9 @@ def test_real_vllm_block_pool_end_to_end() -> None:
 
     def flush(pool: BlockPool) -> None:
         batch = KVEventBatch(ts=0.0, events=pool.take_events(), data_parallel_rank=0)
-        idx.apply_batch("r0", decode_batch(msgspec.msgpack.Encoder().encode(batch)))
+        idx.apply_events("r0", decode_batch(msgspec.msgpack.Encoder().encode(batch)).events)
 
-    idx = BlockIndex(block_size=bs)
+    idx = Pipeline(bs)
     pool = BlockPool(num_gpu_blocks=12, enable_caching=True, hash_block_size=bs, enable_kv_cache_events=True)
     first = pool.get_new_blocks(5)
     pool.cache_full_blocks(request("a"), first, 0, 2, bs, 0)  # chunked prefill: 2 blocks ...
@@ -291,7 +373,7 @@ def test_real_vllm_block_pool_end_to_end() -> None:
     pool.free_blocks(reversed(first))
     others = pool.get_new_blocks(6)
     flush(pool)
-    assert idx.stats.blocks_removed == 5
+    assert idx.index.stats.keys_removed == 0  # the first copy went: nothing to tell the routers
     assert idx.match(keys, ["r0"], 0.0) == {"r0": 5}
     # reset_prefix_cache needs every block free; then AllBlocksCleared empties the replica.
     pool.free_blocks(reversed(second))
@@ -309,7 +391,7 @@ def test_match_across_walk_chunks(held) -> None:
 
     rng = random.Random(sum(held))
     tokens = [rng.randrange(1000) for _ in range(100 * BS)]
-    idx = BlockIndex(block_size=BS)
+    idx = Pipeline()
     for j, (rid, n) in enumerate(zip(R, held)):
         if n:  # engine block hashes: 1000 * (j + 1) + block number
             idx.apply_event(rid, stored([1000 * (j + 1) + i for i in range(n)], tokens[: n * BS]))

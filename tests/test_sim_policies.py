@@ -138,6 +138,8 @@ def test_llm_d_min_max_normalization():
 def test_affinity_router_runs_the_live_sequence():
     plain = RouterConfig(load_factor=1.25, load_floor=0, uncached_weight=1.0)
     router = plain.affinity_router(random.Random(0))
+    for i in range(4):
+        router.index.add_replica(f"r{i}")  # followed, as the live router's subscriber does
     keys = block_keys(PROMPT, BS)
     stats = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
     two = [Candidate(f"r{i}", stats, 128) for i in range(2)]

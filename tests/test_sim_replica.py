@@ -163,7 +163,8 @@ def test_kv_events_reach_the_index_through_the_wire_format():
     at, frames = path.publish(rep.id, events, 3.0)
     path.deliver(rep.id, frames, at)
     assert index.match(keys_a, (rep.id,), 4.0)[rep.id] == 2  # A's two tail blocks were evicted
-    assert index.stats.unknown_parent_events == 0 and index.stats.malformed_events == 0
+    relay = path.relays[rep.id].stats
+    assert relay.unknown_parent_events == 0 and relay.malformed_events == 0
 
 
 def test_cache_salt_goes_into_the_first_blocks_event_extra_keys():

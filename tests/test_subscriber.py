@@ -1,9 +1,12 @@
-"""The KV-event path over real ZMQ sockets: vLLM's own publisher, and a raw peer for faults.
+"""The KV-event path over real ZMQ sockets: engine -> relay -> router.
 
-``RawPublisher`` is a real ZMQ PUB + ROUTER pair that speaks vLLM's wire protocol
-but can also send what vLLM's publisher never would (garbage, duplicates, gaps,
-a restart); payloads are built with vLLM's own event classes. Expected index
-contents are computed independently with ``block_keys``.
+vLLM's own ``ZmqEventPublisher`` (or ``RawPublisher``, a real PUB + replay
+ROUTER pair speaking vLLM's wire protocol that can also send what vLLM never
+would) feeds a real ``RelayServer``; a real ``EventSubscriber`` follows the
+relay into a ``BlockIndex``.  ``RawRelay`` stands in for a relay where the
+router's side needs faults a real relay never makes (gaps, a lost snapshot
+answer, garbage).  Expected index contents are computed independently with
+``block_keys``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ import zmq
 
 from routing.block_keys import block_keys
 from routing.index import BlockIndex
+from routing.key_events import (SNAPSHOT_REQUEST, AllKeysCleared, KeysRemoved, KeysStored, encode_key_frames,
+                                encode_snapshot, keys_to_bytes)
+from routing.relay_server import RelayServer
 from routing.subscriber import EventSubscriber
 
 vkv = pytest.importorskip("vllm.distributed.kv_events")
@@ -41,7 +47,7 @@ def chain(seed: int, n_blocks: int) -> list[int]:
 
 
 class RawPublisher:
-    """PUB + replay ROUTER on loopback, serving ``buffer`` (seq -> payload) on replay."""
+    """vLLM's side: PUB + replay ROUTER on loopback, serving ``buffer`` (seq -> payload) on replay."""
 
     def __init__(self) -> None:
         ctx = zmq.Context.instance()
@@ -80,6 +86,44 @@ class RawPublisher:
         self.router.close(linger=0)
 
 
+class RawRelay:
+    """A relay's two sockets, driven by the test: live key batches and snapshot answers."""
+
+    def __init__(self, epoch: int = 1) -> None:
+        ctx = zmq.Context.instance()
+        self.pub = ctx.socket(zmq.PUB)
+        self.events_endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
+        self.router = ctx.socket(zmq.ROUTER)
+        self.snapshot_endpoint = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
+        self.epoch, self.seq, self.keys = epoch, -1, []  # what the next snapshot answer says
+        self.ignore_requests = 0  # answer nothing to this many snapshot requests
+        self.requests = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.router.poll(50):
+                continue
+            client, request = self.router.recv_multipart()
+            assert request == SNAPSHOT_REQUEST
+            self.requests += 1
+            if self.ignore_requests:
+                self.ignore_requests -= 1
+                continue
+            self.router.send_multipart([client, encode_snapshot(self.epoch, self.seq, keys_to_bytes(self.keys), BS)])
+
+    def publish(self, seq: int, events, epoch: int | None = None) -> None:
+        self.pub.send_multipart(encode_key_frames(seq, self.epoch if epoch is None else epoch, events, time.time()))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
 def wait_for(cond, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -93,7 +137,7 @@ def wait_for(cond, timeout: float = 10.0) -> None:
 def ingest():
     index = BlockIndex(max_blocks=100_000)
     lock = threading.Lock()
-    sub = EventSubscriber(index, lock, replay_timeout_s=2.0)
+    sub = EventSubscriber(index, lock, snapshot_timeout_s=1.0)
     yield index, lock, sub
     sub.close()
 
@@ -105,54 +149,98 @@ def raw():
     p.close()
 
 
-def held(index: BlockIndex, lock: threading.Lock, tokens: list[int]) -> int:
-    with lock:
-        return index.match(block_keys(tokens, BS), (RID,), time.time())[RID]
-
-
-def subscribe_and_settle(sub: EventSubscriber, raw: RawPublisher) -> None:
-    sub.set_replica(RID, raw.endpoint, raw.replay_endpoint)
-    wait_for(lambda: RID in sub.endpoints())
+@pytest.fixture
+def relay(raw):
+    r = RelayServer(raw.endpoint, raw.replay_endpoint, BS)
     time.sleep(0.3)  # a PUB drops messages until the SUB's subscription has arrived
+    yield r
+    r.close()
 
 
-def test_late_join_is_filled_from_vllm_publishers_replay(ingest, monkeypatch):
+def held(index: BlockIndex, lock: threading.Lock, tokens: list[int], rid: str = RID) -> int:
+    with lock:
+        return index.match(block_keys(tokens, BS), (rid,), time.time())[rid]
+
+
+def follow(sub: EventSubscriber, relay, rid: str = RID) -> None:
+    sub.set_replica(rid, relay.events_endpoint, relay.snapshot_endpoint)
+    wait_for(lambda: sub.synced(rid))
+    time.sleep(0.2)  # the live SUB's subscription reaches the relay
+
+
+# ------------------------------------------------------------------ the whole path
+
+
+def test_router_starting_late_gets_every_block_from_the_snapshot(ingest, monkeypatch):
+    """The issue's replay-gap case: the router subscribes while vLLM's ring holds seq 10-19,
+    seq 10 stored a 3-block chain and live seq 20 extends it. Before the relay: 0 of 4 routable."""
     index, lock, sub = ingest
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
-    pub = vkv.ZmqEventPublisher(data_parallel_rank=0, endpoint="tcp://*:0", replay_endpoint="tcp://*:0", topic="kv")
+    pub = vkv.ZmqEventPublisher(data_parallel_rank=0, endpoint="tcp://*:0", replay_endpoint="tcp://*:0",
+                                buffer_steps=10, topic="kv")
     try:
         cfg = pub.get_publisher_config()
-        assert cfg.endpoint.startswith("tcp://127.0.0.1:")  # bound to the node address, not every interface
-        tokens = chain(1, 4)
-        for i in range(3):  # published before the router subscribes: only replay can deliver them
-            pub.publish(vkv.KVEventBatch(ts=time.time(), events=[
-                stored(tokens[i * BS:(i + 1) * BS], [100 + i], None if i == 0 else 99 + i)]))
-        time.sleep(0.5)
-        sub.set_replica(RID, cfg.endpoint, cfg.replay_endpoint)
-        wait_for(lambda: RID in sub.endpoints())
+        relay = RelayServer(cfg.endpoint, cfg.replay_endpoint, BS)
         time.sleep(0.3)
-        pub.publish(vkv.KVEventBatch(ts=time.time(), events=[stored(tokens[3 * BS:], [103], 102)]))
+        tokens = chain(1, 4)
+        others = [chain(100 + i, 2) for i in range(20)]
+        for seq in range(20):
+            events = [stored(others[seq], [1000 + 2 * seq, 1001 + 2 * seq])]
+            if seq == 10:
+                events.append(stored(tokens[: 3 * BS], [1, 2, 3]))
+            pub.publish(vkv.KVEventBatch(ts=time.time(), events=events))
+        wait_for(lambda: relay.stats["vllm_batches"] == 20)
+        follow(sub, relay)  # vLLM's ring now starts at seq 10
+        pub.publish(vkv.KVEventBatch(ts=time.time(), events=[stored(tokens[3 * BS:], [4], 3)]))
         wait_for(lambda: held(index, lock, tokens) == 4)
-        assert sub.stats.gaps == 1 and sub.stats.replays == 1 and sub.stats.replayed_batches == 3
-        assert sub.stats.replay_failures == 0 and sub.stats.decode_errors == 0
+        assert all(held(index, lock, o) == 2 for o in others)
+        with lock:
+            assert index.replica_blocks(RID) == 4 + 2 * 20
+        assert sub.stats["snapshots"] == 1 and relay.stats["gaps"] == 0
+        relay.close()
     finally:
         pub.shutdown()
 
 
-def test_lost_message_is_replayed(ingest, raw):
+def test_relay_joining_late_is_filled_from_vllms_replay(ingest, monkeypatch):
     index, lock, sub = ingest
-    subscribe_and_settle(sub, raw)
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    pub = vkv.ZmqEventPublisher(data_parallel_rank=0, endpoint="tcp://*:0", replay_endpoint="tcp://*:0", topic="kv")
+    relay = None
+    try:
+        cfg = pub.get_publisher_config()
+        assert cfg.endpoint.startswith("tcp://127.0.0.1:")  # bound to the node address, not every interface
+        tokens = chain(1, 4)
+        for i in range(3):  # published before the relay subscribes: only replay can deliver them
+            pub.publish(vkv.KVEventBatch(ts=time.time(), events=[
+                stored(tokens[i * BS:(i + 1) * BS], [100 + i], None if i == 0 else 99 + i)]))
+        time.sleep(0.5)
+        relay = RelayServer(cfg.endpoint, cfg.replay_endpoint, BS)
+        follow(sub, relay)
+        pub.publish(vkv.KVEventBatch(ts=time.time(), events=[stored(tokens[3 * BS:], [103], 102)]))
+        wait_for(lambda: held(index, lock, tokens) == 4)
+        assert relay.stats["gaps"] == 1 and relay.stats["replays"] == 1 and relay.stats["replayed_batches"] == 3
+        assert relay.stats["replay_failures"] == 0 and relay.stats["decode_errors"] == 0
+    finally:
+        if relay is not None:
+            relay.close()
+        pub.shutdown()
+
+
+def test_lost_vllm_message_is_replayed_by_the_relay(ingest, raw, relay):
+    index, lock, sub = ingest
+    follow(sub, relay)
     tokens = chain(2, 3)
     raw.send(0, payload([stored(tokens[:BS], [1])]))
     raw.send(1, payload([stored(tokens[BS:2 * BS], [2], 1)]), publish=False)  # lost on the wire
     raw.send(2, payload([stored(tokens[2 * BS:], [3], 2)]))
     wait_for(lambda: held(index, lock, tokens) == 3)
-    assert (sub.stats.gaps, sub.stats.replays, sub.stats.replay_failures) == (1, 1, 0)
+    assert (relay.stats["gaps"], relay.stats["replays"], relay.stats["replay_failures"]) == (1, 1, 0)
 
 
-def test_garbage_truncated_and_bad_frames_are_counted_and_index_stays_exact(ingest, raw):
+def test_garbage_truncated_and_bad_frames_are_counted_and_index_stays_exact(ingest, raw, relay):
     index, lock, sub = ingest
-    subscribe_and_settle(sub, raw)
+    follow(sub, relay)
     first, second = chain(3, 2), chain(4, 2)
     raw.send(0, payload([stored(first, [10, 11])]))
     wait_for(lambda: held(index, lock, first) == 2)
@@ -161,36 +249,34 @@ def test_garbage_truncated_and_bad_frames_are_counted_and_index_stays_exact(inge
     raw.pub.send_multipart([b"", b"\x00\x01", good])  # seq frame not 8 bytes
     raw.send(1, good[: len(good) // 2])  # truncated msgpack (and that is what replay holds)
     raw.send(2, b"\xc1 not msgpack")  # garbage
-    wait_for(lambda: sub.stats.decode_errors >= 4)
-    # The next good batch finds seqs 1-2 missing; replay returns the same bad bytes,
-    # so the replica is dropped and rebuilt from live events.
+    wait_for(lambda: relay.stats["decode_errors"] >= 4)
+    # The next good batch finds seqs 1-2 missing; replay returns the same bad bytes, so
+    # the relay's state is no longer exact: it clears, and tells the routers.
     fresh = chain(5, 3)
     raw.send(3, payload([stored(fresh, [30, 31, 32])]))
     wait_for(lambda: held(index, lock, fresh) == 3)
-    assert sub.stats.replay_failures == 1
-    assert held(index, lock, first) == 0  # nothing stale survives the rebuild
+    assert relay.stats["replay_failures"] == 1
+    assert held(index, lock, first) == 0  # nothing stale survives
     assert held(index, lock, second) == 0
     with lock:
         assert index.replica_blocks(RID) == 3
 
 
-def test_unknown_event_type_skips_only_that_event(ingest, raw):
+def test_unknown_event_type_skips_only_that_event(ingest, raw, relay):
     index, lock, sub = ingest
-    subscribe_and_settle(sub, raw)
+    follow(sub, relay)
     tokens = chain(6, 2)
     enc = msgspec.msgpack.Encoder()
     known = msgspec.msgpack.decode(payload([stored(tokens, [40, 41])]))
     known[1].insert(0, {"type": "BlockTeleported", "block_hashes": [1]})  # from a newer engine
     raw.send(0, enc.encode(known))
     wait_for(lambda: held(index, lock, tokens) == 2)
-    with lock:
-        assert index.stats.undecodable_events == 1
-    assert sub.stats.decode_errors == 0 and sub.stats.skipped_events == 1
+    assert relay.stats["decode_errors"] == 0 and relay.stats["skipped_events"] == 1
 
 
-def test_duplicate_and_out_of_order_seq(ingest, raw):
+def test_duplicate_and_out_of_order_seq(ingest, raw, relay):
     index, lock, sub = ingest
-    subscribe_and_settle(sub, raw)
+    follow(sub, relay)
     tokens = chain(7, 3)
     b0 = payload([stored(tokens[:BS], [50])])
     b1 = payload([stored(tokens[BS:2 * BS], [51], 50)])
@@ -200,7 +286,7 @@ def test_duplicate_and_out_of_order_seq(ingest, raw):
     raw.send(2, b2)  # arrives before 1: replay fetches 1
     raw.send(1, b1)  # the late original: a duplicate now
     raw.send(2, b2)  # and a plain duplicate
-    wait_for(lambda: sub.stats.duplicates == 2)
+    wait_for(lambda: relay.stats["duplicates"] == 2)
     assert held(index, lock, tokens) == 3
     # Copies were not double counted: one removal per block empties the replica.
     raw.send(3, payload([vkv.BlockRemoved(block_hashes=[50, 51, 52], medium="GPU")]))
@@ -209,9 +295,9 @@ def test_duplicate_and_out_of_order_seq(ingest, raw):
         assert index.replica_blocks(RID) == 0
 
 
-def test_engine_restart_seq_back_to_zero_drops_old_entries(ingest, raw):
+def test_engine_restart_seq_back_to_zero_drops_old_entries(ingest, raw, relay):
     index, lock, sub = ingest
-    subscribe_and_settle(sub, raw)
+    follow(sub, relay)
     old, new = chain(8, 2), chain(9, 2)
     raw.send(0, payload([stored(old, [60, 61])]))
     raw.send(1, payload([stored(chain(10, 1), [62])]))
@@ -219,37 +305,205 @@ def test_engine_restart_seq_back_to_zero_drops_old_entries(ingest, raw):
     raw.buffer.clear()
     raw.send(0, payload([stored(new, [60, 61])]))  # the same engine hashes, other content
     wait_for(lambda: held(index, lock, new) == 2)
-    assert sub.stats.restarts == 1
+    assert relay.stats["engine_restarts"] == 1
     assert held(index, lock, old) == 0
 
 
-def test_oversized_batch_is_dropped_and_counted(raw):
-    index, lock = BlockIndex(max_blocks=10_000), threading.Lock()
-    sub = EventSubscriber(index, lock, replay_timeout_s=1.0, max_payload_bytes=2_000)
+def test_oversized_vllm_batch_is_dropped_and_counted(ingest, raw):
+    index, lock, sub = ingest
+    relay = RelayServer(raw.endpoint, raw.replay_endpoint, BS, max_payload_bytes=2_000)
     try:
-        subscribe_and_settle(sub, raw)
+        time.sleep(0.3)
+        follow(sub, relay)
         big = chain(11, 40)  # 640 token ids: a payload of well over 2,000 bytes
-        raw.send(0, payload([stored(big, list(range(70, 110)))]))
-        wait_for(lambda: sub.stats.oversized >= 1)
+        raw.send(0, payload([stored(big, list(range(70, 110)))]), keep=False)
+        wait_for(lambda: relay.stats["oversized"] >= 1)
         small = chain(12, 1)
         raw.send(1, payload([stored(small, [200])]))
         wait_for(lambda: held(index, lock, small) == 1)
         assert held(index, lock, big) == 0
     finally:
-        sub.close()
+        relay.close()
 
 
-def test_removed_replica_is_forgotten_at_once(ingest, raw):
+def test_removed_replica_stays_removed_while_its_events_keep_coming(ingest, raw, relay):
+    """The issue's threaded case: batches queued when remove_replica ran re-created the
+    replica's entries (488 blocks one second after removal). Removal is final."""
     index, lock, sub = ingest
-    subscribe_and_settle(sub, raw)
-    tokens = chain(13, 2)
-    raw.send(0, payload([stored(tokens, [300, 301])]))
-    wait_for(lambda: held(index, lock, tokens) == 2)
-    sub.remove_replica(RID)
-    assert held(index, lock, tokens) == 0  # synchronous: gone before remove_replica returns
-    wait_for(lambda: RID not in sub.endpoints())
-    raw.send(1, payload([stored(chain(14, 1), [302])]))
-    time.sleep(0.3)
-    with lock:
-        assert index.replica_blocks(RID) == 0
+    follow(sub, relay)
+    stop = threading.Event()
 
+    def engine() -> None:
+        seq, h = 0, 1
+        while not stop.is_set():
+            tokens = chain(1000 + seq, 4)
+            raw.send(seq, payload([stored(tokens, list(range(h, h + 4)))]), keep=False)
+            seq, h = seq + 1, h + 4
+            time.sleep(0.002)
+
+    t = threading.Thread(target=engine, daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: index.replica_blocks(RID) > 100)
+        sub.remove_replica(RID)
+        with lock:
+            assert index.replica_blocks(RID) == 0 and RID not in index.replicas()  # at once
+        time.sleep(1.0)  # events keep coming for a second
+        with lock:
+            assert index.replica_blocks(RID) == 0 and index.num_keys == 0 and RID not in index.replicas()
+        assert not sub.synced(RID) and RID not in sub.endpoints()
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_engine_replica_restart_brings_a_new_epoch_and_a_fresh_snapshot(ingest, raw, relay):
+    index, lock, sub = ingest
+    follow(sub, relay)
+    old = chain(20, 2)
+    raw.send(0, payload([stored(old, [1, 2])]))
+    wait_for(lambda: held(index, lock, old) == 2)
+    # The replica restarts: a new relay (new epoch, seq from 0) on the same endpoints is not
+    # possible with ephemeral ports, so the router sees new endpoints from the routing stats.
+    raw2 = RawPublisher()
+    relay2 = RelayServer(raw2.endpoint, raw2.replay_endpoint, BS)
+    try:
+        time.sleep(0.3)
+        new = chain(21, 3)
+        raw2.send(0, payload([stored(new, [1, 2, 3])]))
+        wait_for(lambda: relay2.stats["vllm_batches"] == 1)
+        follow(sub, relay2)
+        assert held(index, lock, new) == 3 and held(index, lock, old) == 0
+    finally:
+        relay2.close()
+        raw2.close()
+
+
+# ------------------------------------------------------------------ the router's side, faults
+
+
+@pytest.fixture
+def fake_relay():
+    r = RawRelay()
+    yield r
+    r.close()
+
+
+def keys_of(tokens: list[int]) -> list[int]:
+    return block_keys(tokens, BS)
+
+
+def test_gap_and_new_epoch_are_repaired_by_a_snapshot(ingest, fake_relay):
+    index, lock, sub = ingest
+    a, b, c = chain(30, 3), chain(31, 2), chain(32, 2)
+    fake_relay.seq, fake_relay.keys = 0, keys_of(a)
+    follow(sub, fake_relay)
+    assert held(index, lock, a) == 3 and fake_relay.requests == 1
+    # seq 1 is lost on the wire; seq 2 arrives: a gap. The snapshot says what seq 1-2 did.
+    fake_relay.seq, fake_relay.keys = 2, keys_of(a) + keys_of(b)
+    fake_relay.publish(2, [KeysStored(None, keys_to_bytes(keys_of(b)))])
+    wait_for(lambda: held(index, lock, b) == 2 and sub.stats["snapshots"] == 2)
+    assert sub.stats["errors_gap"] == 1 and held(index, lock, a) == 3
+    fake_relay.publish(3, [KeysRemoved(keys_to_bytes(keys_of(a)[2:]))])  # live again, in order
+    wait_for(lambda: held(index, lock, a) == 2)
+    # The relay restarts (a new epoch): a fresh snapshot replaces everything.
+    fake_relay.epoch, fake_relay.seq, fake_relay.keys = 2, 0, keys_of(c)
+    fake_relay.publish(0, [AllKeysCleared()], epoch=2)
+    wait_for(lambda: held(index, lock, c) == 2)
+    assert held(index, lock, a) == 0 and held(index, lock, b) == 0
+    assert sub.stats["epoch_changes"] == 1 and sub.stats["snapshots"] == 3
+
+
+def test_lost_snapshot_answer_is_asked_for_again(ingest, fake_relay):
+    index, lock, sub = ingest
+    tokens = chain(33, 2)
+    fake_relay.seq, fake_relay.keys = 5, keys_of(tokens)
+    fake_relay.ignore_requests = 1
+    sub.set_replica(RID, fake_relay.events_endpoint, fake_relay.snapshot_endpoint)
+    wait_for(lambda: sub.synced(RID), timeout=15)
+    assert sub.stats["errors_snapshot_timeout"] == 1 and fake_relay.requests == 2
+    assert held(index, lock, tokens) == 2
+
+
+def test_garbage_from_a_relay_is_counted_and_the_stream_goes_on(ingest, fake_relay):
+    index, lock, sub = ingest
+    follow(sub, fake_relay)
+    fake_relay.pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1 garbage"])
+    fake_relay.pub.send_multipart([b"", (0).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, 1, [["s", None, b"abc"]]])])
+    tokens = chain(34, 2)
+    fake_relay.keys, fake_relay.seq = keys_of(tokens), 0
+    fake_relay.publish(0, [KeysStored(None, keys_to_bytes(keys_of(tokens)))])
+    wait_for(lambda: held(index, lock, tokens) == 2)
+    assert sub.stats["errors_decode"] == 2
+
+
+def test_an_exception_in_the_event_path_costs_a_snapshot_not_the_thread(ingest, fake_relay, monkeypatch):
+    """Fault injection: the index raises once while applying a batch, then the loop itself fails once."""
+    index, lock, sub = ingest
+    follow(sub, fake_relay)
+    real_apply = index.apply_keys
+    failures = iter([RuntimeError("injected")])
+
+    def flaky_apply(rid, events):
+        for exc in failures:
+            raise exc
+        return real_apply(rid, events)
+
+    monkeypatch.setattr(index, "apply_keys", flaky_apply)
+    a = chain(35, 2)
+    fake_relay.seq, fake_relay.keys = 0, keys_of(a)
+    fake_relay.publish(0, [KeysStored(None, keys_to_bytes(keys_of(a)))])
+    wait_for(lambda: held(index, lock, a) == 2 and sub.synced(RID))
+    assert sub.stats["errors_handler"] == 1 and sub.stats["snapshots"] == 2  # repaired by a snapshot
+
+    real_reconcile = sub._reconcile
+    loop_failures = iter([RuntimeError("injected loop failure")])
+
+    def flaky_reconcile():
+        for exc in loop_failures:
+            raise exc
+        return real_reconcile()
+
+    monkeypatch.setattr(sub, "_reconcile", flaky_reconcile)
+    b = chain(36, 2)
+    fake_relay.seq, fake_relay.keys = 0, keys_of(a) + keys_of(b)
+    sub.set_replica("replica-b", fake_relay.events_endpoint, fake_relay.snapshot_endpoint)  # the loop fails here
+    wait_for(lambda: sub.stats["loop_restarts"] == 1)
+    wait_for(lambda: sub.synced(RID) and sub.synced("replica-b"))
+    assert held(index, lock, b, "replica-b") == 2 and held(index, lock, a) == 2
+    assert sub.alive()
+    fake_relay.publish(1, [KeysRemoved(keys_to_bytes(keys_of(a)))])
+    wait_for(lambda: held(index, lock, a) == 0 and held(index, lock, a, "replica-b") == 0)
+
+
+def test_a_dead_thread_is_started_again(ingest, fake_relay):
+    index, lock, sub = ingest
+    sub._stop.set()  # the thread ends as if killed
+    sub._thread.join(timeout=2)
+    assert not sub.alive()
+    sub._stop.clear()
+    sub.ensure_running()
+    assert sub.stats["thread_restarts"] == 1
+    tokens = chain(37, 2)
+    fake_relay.seq, fake_relay.keys = 0, keys_of(tokens)
+    follow(sub, fake_relay)
+    assert held(index, lock, tokens) == 2 and sub.alive()
+
+
+def test_relay_survives_an_exception_applying_a_batch(ingest, raw, relay, monkeypatch):
+    index, lock, sub = ingest
+    follow(sub, relay)
+    real = relay.relay.apply
+    failures = iter([RuntimeError("injected")])
+
+    def flaky(events):
+        for exc in failures:
+            raise exc
+        return real(events)
+
+    monkeypatch.setattr(relay.relay, "apply", flaky)
+    lost, kept = chain(38, 2), chain(39, 2)
+    raw.send(0, payload([stored(lost, [1, 2])]))
+    raw.send(1, payload([stored(kept, [3, 4])]))
+    wait_for(lambda: held(index, lock, kept) == 2)
+    assert relay.stats["apply_errors"] == 1 and held(index, lock, lost) == 0 and relay.alive()

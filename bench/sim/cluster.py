@@ -142,7 +142,7 @@ def simulate_policy(
         routing_stats_period_s=cfg.routing_stats_period_s,
     )
     policy.setup(ctx)
-    path = EventPath(policy.index, cfg.event_lag_s) if uses_events and policy.index is not None else None
+    path = EventPath(policy.index, cfg.event_lag_s, ctx.ids, bs) if uses_events and policy.index is not None else None
     busy = [False] * cfg.replicas
     backlog: deque[SimRequest] = deque()
     max_ongoing = cfg.max_ongoing_requests

@@ -1,14 +1,18 @@
-"""KV events from simulated engines to a router's block index, through the wire format.
+"""KV events from simulated engines to a router's block index, through the wire formats.
 
-A real engine publishes, once per step, ``[topic, seq, payload]`` with the
-step's events msgpack-encoded as a ``KVEventBatch``; every router process
-decodes each message and folds it into its ``BlockIndex``
-(``routing.subscriber``).  The simulator does the same with the same code:
+A real engine publishes, once per step, its vLLM KV events; the KV-event relay
+in its replica folds them into block keys and publishes the key events that
+every router applies (``routing.relay_server``, ``routing.subscriber``).  The
+simulator runs the same code, a ``KeyRelay`` per simulated engine:
 
-    publish:  routing.events.encode_batch  -> encode_frames  (at the step's end)
-    deliver:  decode_frames -> sequence check -> BlockIndex.apply_batch  (lag later)
+    publish:  routing.relay.KeyRelay.apply -> routing.key_events.encode_key_frames  (at the step's end)
+    deliver:  decode_key_frames -> sequence check -> BlockIndex.apply_keys  (lag later)
 
-The lag (``lag_s``) stands for the publisher's queue, the network and the
+An index without ``apply_keys`` (the Dynamo peer's ``RadixTree``, whose router
+hashes token ids itself) gets vLLM's own batches instead
+(``routing.events.encode_batch`` -> ``decode_frames`` -> ``apply_batch``).
+
+The lag (``lag_s``) stands for the relay's queue, the network and the
 subscriber's poll loop; it makes the index stale by that much, which is what
 the router's blind-window predictions are for.  Messages are never lost here,
 so the sequence check only asserts order.
@@ -18,8 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from routing.events import KVEvent, decode_frames, encode_batch, encode_frames
+from routing.events import BlockStored, KVEvent, decode_frames, encode_batch, encode_frames
 from routing.index import BlockIndex
+from routing.key_events import decode_key_frames, encode_key_frames
+from routing.relay import KeyRelay
 
 __all__ = ["EventPath"]
 
@@ -28,15 +34,24 @@ class EventPath:
     """Publishes replicas' event batches and applies them to one index.
 
     Args:
-        index: the router's block index.
+        index: the router's block index (or a peer's index with ``apply_batch``).
         lag_s: seconds from publish to apply.
+        replica_ids: replicas the index follows from the start; any other
+            replica is followed from its first published batch.
+        block_size: the engines' block size in tokens (None: taken from the
+            first ``BlockStored``).
     """
 
-    def __init__(self, index: BlockIndex, lag_s: float) -> None:
+    def __init__(self, index: BlockIndex, lag_s: float, replica_ids: Sequence[str] = (),
+                 block_size: int | None = None) -> None:
         if lag_s < 0:
             raise ValueError(f"lag_s must be >= 0, got {lag_s}")
         self.index = index
         self.lag_s = lag_s
+        self.block_size = block_size
+        self.relays: dict[str, KeyRelay] | None = {} if hasattr(index, "apply_keys") else None
+        for rid in replica_ids if self.relays is not None else ():
+            index.add_replica(rid)
         self._next_seq: dict[str, int] = {}
         self._expected: dict[str, int] = {}
         self.last_event_at: dict[str, float] = {}
@@ -48,9 +63,22 @@ class EventPath:
         """Encode one step's events; returns ``(delivery time, frames)``."""
         seq = self._next_seq.get(replica_id, 0)
         self._next_seq[replica_id] = seq + 1
-        payload = encode_batch(events, ts=now)
-        self.payload_bytes += len(payload)
-        return now + self.lag_s, encode_frames(seq, payload)
+        if self.relays is not None:
+            frames = encode_key_frames(seq, 0, self._relay(replica_id, events).apply(list(events)), now)
+        else:
+            frames = encode_frames(seq, encode_batch(events, ts=now))
+        self.payload_bytes += len(frames[2])
+        return now + self.lag_s, frames
+
+    def _relay(self, replica_id: str, events: Sequence[KVEvent]) -> KeyRelay:
+        relay = self.relays.get(replica_id)  # type: ignore[union-attr]
+        if relay is None:
+            bs = self.block_size or next((e.block_size for e in events if isinstance(e, BlockStored)), None)
+            if bs is None:
+                raise ValueError(f"block size of {replica_id} unknown: pass block_size")
+            relay = self.relays[replica_id] = KeyRelay(bs)  # type: ignore[index]
+            self.index.add_replica(replica_id)
+        return relay
 
     def deliver(self, replica_id: str, frames: tuple[bytes, bytes, bytes], now: float) -> None:
         """Decode a message and fold it into the index (at its delivery time).
@@ -58,12 +86,18 @@ class EventPath:
         Raises:
             RuntimeError: messages of one replica out of order (a simulator bug).
         """
-        _topic, seq, batch = decode_frames(frames)
+        if self.relays is not None:
+            seq, batch = decode_key_frames(frames)
+        else:
+            _topic, seq, batch = decode_frames(frames)
         expected = self._expected.get(replica_id, 0)
         if seq != expected:
             raise RuntimeError(f"event seq {seq} from {replica_id}, expected {expected}")
         self._expected[replica_id] = seq + 1
-        self.index.apply_batch(replica_id, batch)
+        if self.relays is not None:
+            self.index.apply_keys(replica_id, batch.events)
+        else:
+            self.index.apply_batch(replica_id, batch)
         self.last_event_at[replica_id] = now
         self.batches += 1
         self.events += len(batch.events)

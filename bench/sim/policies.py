@@ -478,6 +478,8 @@ class PrefixAffinityPolicy(Policy):
     def setup(self, ctx):
         super().setup(ctx)
         self.router = self.router_config.affinity_router(ctx.rng)
+        for rid in ctx.ids:  # the live router follows every replica it is given as a candidate
+            self.router.index.add_replica(rid)
         self.router.release_prefill_at_first_token = self.release_prefill_at_first_token
         self.scraper = StatsScraper(ctx.replicas, ctx.routing_stats_period_s)
         self.last_event_at: dict[str, float] = {}  # replica -> when its last event batch was applied

@@ -1,0 +1,180 @@
+"""Wire format of the KV-event relay: block keys, not token ids.
+
+Each engine replica runs a relay (``routing.relay``) that turns its vLLM's KV
+events into events on *our* block keys (``routing.block_keys``), so routers
+ingest keys without hashing anything.  The relay keeps the replica's cached
+blocks and publishes only changes of the set of keys it holds: a key appears
+once (its first copy was stored) and disappears once (its last copy was
+removed), whatever the engine's physical copies and engine hashes.
+
+Live stream, on the relay's PUB socket: ZMQ multipart ``[topic, seq, payload]``,
+``seq`` 8 bytes big-endian, consecutive from 0 for one relay ``epoch``;
+``payload`` is a msgpack ``KeyEventBatch`` (an array):
+
+* ``[ts, epoch, events]``: ``ts`` the relay's wall clock (s since the epoch)
+  when it published, ``epoch`` a random 63-bit id of this relay instance (a new
+  one after the engine replica restarts: ``seq`` then starts over);
+* ``events``: arrays tagged by their first element:
+  ``["s", parent, keys]`` (``KeysStored``: ``keys`` newly held, in chain order;
+  ``parent`` the key of the first block's parent, nil at a sequence's start),
+  ``["r", keys]`` (``KeysRemoved``), ``["c"]`` (``AllKeysCleared``).
+  ``keys`` are ``bytes``: uint64 little-endian, 8 bytes a key.
+
+Snapshot, on the relay's ROUTER socket: a DEALER sends ``[b"snapshot"]``; the
+answer is ``[payload]``, a msgpack ``KeySnapshot`` ``[epoch, seq, keys,
+block_size]``: every key the replica holds after the live batch ``seq`` (-1:
+before the first one) was published.  A router that applies the snapshot and
+then every live batch of the same epoch with a larger ``seq``, in order, holds
+exactly the relay's set: the snapshot is made on the thread that publishes, so
+none falls between.  Dynamo's router fetches a dump of its indexer in the
+same way when it starts (``lib/llm/src/kv_router``).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import Annotated, TypeAlias
+
+import msgspec
+
+__all__ = [
+    "AllKeysCleared",
+    "KeyEvent",
+    "KeyDecodeError",
+    "KeyEventBatch",
+    "KeySnapshot",
+    "KeysRemoved",
+    "KeysStored",
+    "SNAPSHOT_REQUEST",
+    "decode_key_frames",
+    "decode_snapshot",
+    "encode_key_frames",
+    "encode_snapshot",
+    "keys_from_bytes",
+    "keys_to_bytes",
+]
+
+SNAPSHOT_REQUEST = b"snapshot"
+"""The one frame a router sends to a relay's snapshot socket."""
+
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def keys_to_bytes(keys: Iterable[int]) -> bytes:
+    """Keys as the wire's uint64 little-endian bytes (8 bytes a key)."""
+    a = array("Q", keys)
+    if _BIG_ENDIAN:
+        a.byteswap()
+    return a.tobytes()
+
+
+def keys_from_bytes(data: bytes) -> array:
+    """The wire's keys as an ``array('Q')`` in native order.
+
+    Raises:
+        ValueError: ``len(data)`` is not a multiple of 8.
+    """
+    a = array("Q")
+    a.frombytes(data)
+    if _BIG_ENDIAN:
+        a.byteswap()
+    return a
+
+
+BlockKey = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
+"""One block key: a uint64 (``routing.block_keys``)."""
+
+
+class KeysStored(msgspec.Struct, array_like=True, tag="s", gc=False):
+    """Keys the replica now holds (each one's first copy), in chain order."""
+
+    parent: BlockKey | None
+    keys: bytes
+
+
+class KeysRemoved(msgspec.Struct, array_like=True, tag="r", gc=False):
+    """Keys the replica no longer holds (each one's last copy went)."""
+
+    keys: bytes
+
+
+class AllKeysCleared(msgspec.Struct, array_like=True, tag="c", gc=False):
+    """The replica holds nothing (the engine cleared its prefix cache, or the relay lost track)."""
+
+
+KeyEvent: TypeAlias = KeysStored | KeysRemoved | AllKeysCleared
+
+
+class KeyEventBatch(msgspec.Struct, array_like=True, gc=False):
+    """One published batch: ``[ts (s, epoch), relay epoch, events]``."""
+
+    ts: float
+    epoch: int
+    events: list[KeyEvent]
+
+
+class KeySnapshot(msgspec.Struct, array_like=True, gc=False):
+    """Every key a relay's replica holds after live batch ``seq`` (-1: before any)."""
+
+    epoch: int
+    seq: int
+    keys: bytes
+    block_size: int
+
+
+class KeyDecodeError(ValueError):
+    """A message is not a decodable relay batch or snapshot."""
+
+
+_batch_decoder = msgspec.msgpack.Decoder(KeyEventBatch)
+_snapshot_decoder = msgspec.msgpack.Decoder(KeySnapshot)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_key_frames(seq: int, epoch: int, events: Sequence[KeyEvent], ts: float,
+                      topic: str = "") -> tuple[bytes, bytes, bytes]:
+    """The three frames ``[topic, seq, payload]`` of one live batch."""
+    return topic.encode("utf-8"), seq.to_bytes(8, "big"), _encoder.encode(KeyEventBatch(ts, epoch, list(events)))
+
+
+def decode_key_frames(frames: Sequence[bytes]) -> tuple[int, KeyEventBatch]:
+    """``(seq, batch)`` of one live message.
+
+    Raises:
+        KeyDecodeError: not three frames, ``seq`` not 8 bytes, or a payload that
+            is not a ``KeyEventBatch`` (keys not whole uint64s included).
+    """
+    if len(frames) != 3:
+        raise KeyDecodeError(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
+    if len(frames[1]) != 8:
+        raise KeyDecodeError(f"seq frame must be 8 bytes, got {len(frames[1])}")
+    try:
+        batch = _batch_decoder.decode(frames[2])
+    except msgspec.DecodeError as e:  # ValidationError included
+        raise KeyDecodeError(f"malformed key event batch: {e}") from e
+    for ev in batch.events:
+        if type(ev) is not AllKeysCleared and len(ev.keys) % 8:
+            raise KeyDecodeError(f"keys of {type(ev).__name__} are {len(ev.keys)} bytes, not whole uint64s")
+    return int.from_bytes(frames[1], "big"), batch
+
+
+def encode_snapshot(epoch: int, seq: int, keys: bytes, block_size: int) -> bytes:
+    """A snapshot answer's payload (``keys`` as ``keys_to_bytes`` makes them)."""
+    return _encoder.encode(KeySnapshot(epoch, seq, keys, block_size))
+
+
+def decode_snapshot(payload: bytes) -> KeySnapshot:
+    """Decode a snapshot answer.
+
+    Raises:
+        KeyDecodeError: not a ``KeySnapshot``, or keys not whole uint64s.
+    """
+    try:
+        snap = _snapshot_decoder.decode(payload)
+    except msgspec.DecodeError as e:
+        raise KeyDecodeError(f"malformed key snapshot: {e}") from e
+    if len(snap.keys) % 8:
+        raise KeyDecodeError(f"snapshot keys are {len(snap.keys)} bytes, not whole uint64s")
+    return snap
