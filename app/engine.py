@@ -1,14 +1,17 @@
 """Engine deployment: one Serve replica = one vLLM ``AsyncLLM`` engine behind vLLM's
 own OpenAI serving classes (``app.frontend.EngineFrontend``).
 
-Each replica turns on prefix caching and publishes its KV-cache events
-(BlockStored / BlockRemoved / AllBlocksCleared) over ZMQ. Endpoints are bound as
-``tcp://*:0``, which vLLM resolves to this node's IP and an ephemeral port, so any
-number of replicas share a node without port clashes and nothing listens on every
-interface. The resolved PUB and replay endpoints, together with the engine's load
-(running and waiting requests, KV-cache usage), are reported through Serve's
-``record_routing_stats`` so every request router finds them on
-``RunningReplica.routing_stats``.
+Each replica turns on prefix caching and has vLLM publish its KV-cache events
+(BlockStored / BlockRemoved / AllBlocksCleared) over ZMQ, bound as ``tcp://*:0``
+(vLLM resolves it to this node's IP and an ephemeral port). A KV-event relay
+(``routing.relay_server``) in this process follows those events from the first
+one on and serves every router the block keys this engine holds: a live stream
+of key events and a snapshot on request (``routing.key_events``), both on
+ephemeral ports of the node IP, so any number of replicas share a node without
+port clashes and nothing listens on every interface. The relay's endpoints,
+together with the engine's load (running and waiting requests, KV-cache usage),
+capacity and readiness, are reported through Serve's ``record_routing_stats``
+so every request router finds them on ``RunningReplica.routing_stats``.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from app.protocol import (
     STAT_NUM_GPU_BLOCKS,
     STAT_NUM_RUNNING,
     STAT_NUM_WAITING,
-    STAT_REPLAY_ENDPOINT,
+    STAT_READY,
     STAT_REPLICA_ID,
+    STAT_SNAPSHOT_ENDPOINT,
     STAT_STARTED_AT,
     EngineRequest,
     EngineSummary,
@@ -107,17 +111,21 @@ class VLLMEngine:
         self.num_gpu_blocks = int(self.engine.vllm_config.cache_config.num_gpu_blocks or 0) or None
         # Configured adapters are loaded before this replica serves its first request.
         self.configured_adapters = frozenset(m.name for m in cfg.serving.lora_modules)
+        from routing.relay_server import RelayServer
+
         sources = self.engine.get_kv_event_sources()
         source = sources[min(sources)]
-        self.events_endpoint = source.endpoint
-        self.replay_endpoint = source.replay_endpoint
+        # Started before the engine's first request: it sees every event from seq 0.
+        self.relay = RelayServer(source.endpoint, source.replay_endpoint, self.block_size,
+                                 bind_host=os.environ["VLLM_HOST_IP"], topic=f"keys@{self.replica_id}")
         self.started_at = time.time()
         self._warmed = False
         self._warmup_lock = asyncio.Lock()
+        self._warmup_task: asyncio.Future | None = None
         self.metrics_target = self._start_metrics_server()
         logger.info(
-            "engine replica %s up: KV events on %s, replay on %s",
-            self.replica_id, self.events_endpoint, self.replay_endpoint,
+            "engine replica %s up: KV-event relay on %s, snapshots on %s",
+            self.replica_id, self.relay.events_endpoint, self.relay.snapshot_endpoint,
         )
 
     @staticmethod
@@ -197,6 +205,13 @@ class VLLMEngine:
         from opentelemetry import trace
         from vllm.entrypoints.serve import create_error_response
 
+        if request.router_error:  # the request router could not start: say so, run nothing
+            from http import HTTPStatus
+
+            yield self._summary(request_probe.RequestProbe(self.replica_id, {}), create_error_response(
+                f"request router unavailable: {request.router_error}", err_type="InternalServerError",
+                status_code=HTTPStatus.INTERNAL_SERVER_ERROR))
+            return
         if not self._warmed:
             await self._warm_up()
         span = tracing.tracer().start_span(
@@ -246,12 +261,19 @@ class VLLMEngine:
         summary.data = data
         return summary
 
-    def record_routing_stats(self) -> dict[str, Any]:
-        """Load and event endpoints for the request routers (polled by Serve)."""
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Load, readiness and relay endpoints for the request routers (polled by Serve).
+
+        The first call starts the warm-up, so a replica is ready (``STAT_READY``)
+        before its first request, not during it.
+        """
+        if not self._warmed and self._warmup_task is None:
+            self._warmup_task = asyncio.ensure_future(self._warm_up())
         return {
             STAT_REPLICA_ID: self.replica_id,
-            STAT_EVENTS_ENDPOINT: self.events_endpoint,
-            STAT_REPLAY_ENDPOINT: self.replay_endpoint,
+            STAT_EVENTS_ENDPOINT: self.relay.events_endpoint,
+            STAT_SNAPSHOT_ENDPOINT: self.relay.snapshot_endpoint,
+            STAT_READY: self._warmed and self.relay.alive(),
             STAT_BLOCK_SIZE: self.block_size,
             STAT_STARTED_AT: self.started_at,
             STAT_METRICS_TARGET: self.metrics_target,
@@ -260,14 +282,30 @@ class VLLMEngine:
             **self._load,
         }
 
-    def kv_event_endpoints(self) -> dict[str, str]:
-        """The resolved ZMQ endpoints (PUB and replay ROUTER) of this replica."""
-        return {"events": self.events_endpoint, "replay": self.replay_endpoint}
+    async def readiness(self) -> dict[str, Any]:
+        """``{"ready": bool, "warmed": bool, "relay_alive": bool, "replica_id": str}`` of this replica.
+
+        Warms the engine up if nothing has yet (the ingress's ``/ready`` calls this).
+        """
+        if not self._warmed and self._warmup_task is None:
+            self._warmup_task = asyncio.ensure_future(self._warm_up())
+        alive = self.relay.alive()
+        return {"ready": self._warmed and alive, "warmed": self._warmed, "relay_alive": alive,
+                "replica_id": self.replica_id}
+
+    def kv_relay_stats(self) -> dict[str, Any]:
+        """The relay's endpoints, epoch, last seq, keys held and counters."""
+        r = self.relay
+        return {"events": r.events_endpoint, "snapshot": r.snapshot_endpoint, "epoch": r.epoch, "seq": r.seq,
+                "keys": len(r.relay), "stats": dict(r.stats), "relay": r.relay.stats.as_dict(), "alive": r.alive()}
 
     async def check_health(self) -> None:
         await self.engine.check_health()
 
     def __del__(self):
+        relay = getattr(self, "relay", None)
+        if relay is not None:
+            relay.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -23,7 +23,8 @@ ROUTING_SECONDS = Histogram(
 INDEXED_BLOCKS = Gauge("prefix_serve_index_blocks", "Block keys held in the router's index")
 INDEX_BYTES = Gauge("prefix_serve_index_bytes", "Approximate memory of the router's index in bytes")
 EVENT_LAG = Gauge("prefix_serve_kv_event_lag_seconds", "Publish-to-apply lag of the last KV event batch")
-EVENT_COUNTERS = Gauge("prefix_serve_kv_events", "Event-path counters (cumulative)", ["kind"])
+EVENT_COUNTERS = Gauge("prefix_serve_kv_events", "Event-path counters (cumulative), errors as errors_<cause>", ["kind"])
+EVENT_PATH_ALIVE = Gauge("prefix_serve_kv_event_path_alive", "1 while the router's KV-event subscriber thread runs")
 
 ROUTERS: weakref.WeakSet = weakref.WeakSet()
 """Every live router of this process (read by the ingress's debug and metrics routes)."""

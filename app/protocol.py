@@ -25,8 +25,9 @@ from typing import Any
 
 # Keys of an engine replica's routing stats (``record_routing_stats``), read by the router.
 STAT_REPLICA_ID = "replica_id"
-STAT_EVENTS_ENDPOINT = "kv_events_endpoint"
-STAT_REPLAY_ENDPOINT = "kv_replay_endpoint"
+STAT_EVENTS_ENDPOINT = "kv_relay_endpoint"  # the replica's KV-event relay: live key events (routing.key_events)
+STAT_SNAPSHOT_ENDPOINT = "kv_snapshot_endpoint"  # ... and its snapshot socket
+STAT_READY = "ready"  # the engine is warmed up (adapters loaded) and its relay runs
 STAT_BLOCK_SIZE = "block_size"
 STAT_NUM_RUNNING = "num_running"
 STAT_NUM_WAITING = "num_waiting"
@@ -57,6 +58,9 @@ class EngineRequest:
         block_size: the engines' KV block size in tokens, from the app config
             (0: unknown), so a router scores requests before the engines'
             routing stats first arrive.
+        router_error: set by a request router that could not start (its
+            configuration is invalid): the engine answers the request with this
+            message as a 500 error instead of running it.
     """
 
     request_id: str
@@ -66,6 +70,7 @@ class EngineRequest:
     lora_name: str | None = None
     trace_headers: dict[str, str] = field(default_factory=dict)
     block_size: int = 0
+    router_error: str | None = None
 
 
 @dataclass(slots=True)

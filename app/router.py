@@ -1,9 +1,12 @@
 """Ray Serve glue for the prefix-affinity request router.
 
-``PrefixAffinityRouter`` is selected in ``serve_config.yaml`` as the engine
-deployment's ``request_router_class``. Every instance (one per handle, in every
-process that calls the engine deployment) builds the full cluster index from the
-engines' KV events (``routing.subscriber``), and for each request:
+``PrefixAffinityRouter`` is the engine deployment's ``request_router_class``
+(``app.builder``; its knobs are ``args.router`` in ``serve_config.yaml``). Every
+instance (one per handle, in every process that calls the engine deployment)
+builds the full cluster index from the engines' KV-event relays
+(``routing.subscriber``: a snapshot of each engine's block keys, then its live
+key events; a router that starts late knows what every engine holds), and for
+each request:
 
 1. computes the prompt's block keys (``routing.block_keys``: token ids,
    ``cache_salt`` on the first block, LoRA name on every block);
@@ -22,11 +25,16 @@ When the request is sent, its blocks are recorded on that replica as predicted
 (blind window) until the engine's BlockStored confirms them: while it waits for
 its first token (``queued_predicted_ttl_s`` at most), then ``predicted_ttl_s``.
 ``choose_replicas`` never raises: any error falls back to a random order of the
-candidates and is counted (``prefix_serve_router_fallbacks_total``).
+candidates and is counted (``prefix_serve_router_fallbacks_total``); every
+request routed, fallbacks included, gets a routing span with its reason. A
+router whose kwargs do not validate still starts (Serve would otherwise hang
+every request): it routes by load and marks each request with the error, which
+the engine answers as a 500 naming the bad setting.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import threading
@@ -48,16 +56,33 @@ from routing.subscriber import EventSubscriber
 
 logger = logging.getLogger("prefix_serve.router")
 _MAX_PENDING = 100_000
+SNAPSHOT_WAIT_S = 2.0  # longest a request waits for the candidates' block snapshots (a router's first seconds)
 # Ray Serve pickles this module BY VALUE into every process that routes: keep
 # shared state (metrics, the router registry) in app.metrics and reach it through
 # the module (``metrics.X``): module-level objects here would be copied, not shared.
+
+
+def _caller_replica_id() -> str | None:
+    """The Serve replica this router lives in (an ingress replica), None outside a replica (a driver)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not in a replica
+        return None
 
 
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     """Routes each request to the replica with the lowest score under bounded load (see module doc)."""
 
     def initialize_state(self, **kwargs: Any) -> None:
-        self.cfg = RouterConfig.model_validate(kwargs)
+        self.init_error: str | None = None
+        try:
+            self.cfg = RouterConfig.model_validate(kwargs)
+        except Exception as e:  # noqa: BLE001 - raising here would leave every request hanging in Serve
+            self.init_error = f"invalid request_router_kwargs: {e}"
+            logger.error("prefix-affinity router cannot start: %s", self.init_error)
+            self.cfg = RouterConfig()
         self.lock = threading.Lock()  # guards self.index (shared with the event subscriber thread)
         self.rng = random.Random()
         self.core = self.cfg.affinity_router(self.rng)
@@ -73,6 +98,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         # late first_token cannot re-create a completed request's entry.
         self._inflight_lock = threading.Lock()
         self._timings: deque[tuple[float, float]] = deque(maxlen=200_000)  # (monotonic s, decision s)
+        self._fallbacks: dict[str, str] = {}  # internal id -> reason, for requests routed without a score
+        self.caller_replica_id = _caller_replica_id()
         metrics.ROUTERS.add(self)
 
     # ------------------------------------------------------------- replica set changes
@@ -81,6 +108,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         super().update_replicas(replicas)
         if not hasattr(self, "subscriber"):
             return
+        self.subscriber.ensure_running()
         live = {r.replica_id.unique_id for r in replicas}
         for r in replicas:
             self._follow(r)
@@ -102,10 +130,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def _follow(self, r: RunningReplica) -> None:
         stats = r.routing_stats or {}
         events = stats.get(stats_keys.STAT_EVENTS_ENDPOINT)
-        if events:
-            uid = r.replica_id.unique_id
-            if self.subscriber.endpoints().get(uid) != events:
-                self.subscriber.set_replica(uid, events, stats.get(stats_keys.STAT_REPLAY_ENDPOINT))
+        snapshot = stats.get(stats_keys.STAT_SNAPSHOT_ENDPOINT)
+        if events and snapshot:
+            self.subscriber.set_replica(r.replica_id.unique_id, events, snapshot)  # a no-op when unchanged
 
     # ----------------------------------------------------------------------- routing
 
@@ -117,13 +144,49 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
                 pending_request.routing_context.should_backoff = True
             return []
         try:
+            if self.init_error is not None:
+                return self._fallback(candidate_replicas, pending_request, "router_config")
+            if pending_request is not None and pending_request.args and isinstance(pending_request.args[0], EngineRequest):
+                await self._wait_for_snapshots(candidate_replicas)
             return self._choose(candidate_replicas, pending_request)
         except Exception as e:  # never leave a request hanging on a router bug
-            metrics.FALLBACKS.labels(cause=type(e).__name__).inc()
             logger.exception("prefix-affinity routing failed; falling back to load-only order")
-            order = list(candidate_replicas)
-            self.rng.shuffle(order)
-            return [order]
+            return self._fallback(candidate_replicas, pending_request, type(e).__name__)
+
+    async def _wait_for_snapshots(self, candidates: list[RunningReplica]) -> None:
+        """A router that just started (or a replica just followed): wait, at most
+        ``SNAPSHOT_WAIT_S`` in all, until the candidates' block snapshots are applied,
+        so its first requests are not routed blind. Non-blocking (sleeps on the loop)."""
+        deadline = None
+        while True:
+            for r in candidates:
+                self._follow(r)
+            pending = [r for r in candidates if self.subscriber.following(r.replica_id.unique_id)
+                       and not self.subscriber.synced(r.replica_id.unique_id)]
+            if not pending or not self.subscriber.alive():
+                return
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + SNAPSHOT_WAIT_S
+            elif now >= deadline:
+                metrics.FALLBACKS.labels(cause="snapshot_wait").inc()
+                return
+            await asyncio.sleep(0.01)
+
+    def _fallback(self, candidates: list[RunningReplica], pending: PendingRequest | None,
+                  cause: str) -> list[list[RunningReplica]]:
+        """Least in-flight first (ties shuffled), counted by cause; the request's span says why."""
+        metrics.FALLBACKS.labels(cause=cause).inc()
+        order = list(candidates)
+        self.rng.shuffle(order)
+        order.sort(key=lambda r: len(self.core.inflight.get(r.replica_id.unique_id, ())))
+        request = pending.args[0] if pending is not None and pending.args else None
+        if isinstance(request, EngineRequest):
+            if self.init_error is not None:
+                request.router_error = self.init_error
+            self._fallbacks[pending.metadata.internal_request_id] = f"fallback_{cause}"
+            self._chosen_at[pending.metadata.internal_request_id] = time.time_ns()
+        return [order]
 
     def _choose(self, candidates: list[RunningReplica], pending: PendingRequest | None) -> list[list[RunningReplica]]:
         t0 = time.perf_counter()
@@ -132,14 +195,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         if not isinstance(request, EngineRequest):
             # Not a generate call (health checks, admin methods): least in-flight first.
             return [sorted(candidates, key=lambda r: len(self.core.inflight.get(r.replica_id.unique_id, ())))]
-        block_size = self._block_size(candidates) or request.block_size or None
+        block_size = self.cfg.block_size or self._block_size(candidates) or request.block_size or None
         if block_size is None:
-            metrics.FALLBACKS.labels(cause="no_routing_stats").inc()
-            order = list(candidates)
-            self.rng.shuffle(order)
-            return [order]
-        for r in candidates:
-            self._follow(r)
+            return self._fallback(candidates, pending, "no_block_size")
         internal_id = pending.metadata.internal_request_id
         cached = self._pending.get(internal_id)
         keys = cached[0] if cached else block_keys(
@@ -164,7 +222,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         metrics.ROUTING_SECONDS.observe(elapsed)
         self._timings.append((time.monotonic(), elapsed))
         self._chosen_at[internal_id] = start_ns
-        for stale in (self._pending, self._chosen_at):  # requests cancelled before they were sent
+        for stale in (self._pending, self._chosen_at, self._fallbacks):  # requests cancelled before they were sent
             while len(stale) > _MAX_PENDING:
                 stale.pop(next(iter(stale)))
         return [[by_uid[decision.replica_id]], [by_uid[u] for u in rest]] if rest else [[by_uid[decision.replica_id]]]
@@ -184,8 +242,15 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         uid = replica_id.unique_id
         if entry is None:  # routed without a decision (fallback order, or not a generate call)
             self.core.inflight.setdefault(uid, {})[internal_id] = 0
-            if pending_request.args and isinstance(pending_request.args[0], EngineRequest):
-                metrics.DECISIONS.labels(reason="unscored").inc()
+            request = pending_request.args[0] if pending_request.args else None
+            if isinstance(request, EngineRequest):
+                reason = self._fallbacks.pop(internal_id, "fallback_unscored")
+                metrics.DECISIONS.labels(reason=reason).inc()
+                self._trace(request, {"replica_id": uid, "reason": reason, "matched_tokens": 0,
+                                      "best_alternative_matched_tokens": 0,
+                                      "prompt_tokens": len(request.prompt_token_ids), "candidates": 0,
+                                      "index_staleness_s": self._staleness(uid)},
+                            self._chosen_at.pop(internal_id, None))
             return
         keys, prompt_len, block_size, decision = entry
         with self.lock:
@@ -210,6 +275,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             "predicted_ttft_s": decision.costs.get(uid),
             "prompt_tokens": prompt_len,
             "candidates": len(decision.costs),
+            "router_replica_id": self.caller_replica_id,
             "index_staleness_s": self._staleness(uid),
         }
         while len(self.decisions) > metrics.RECENT_DECISIONS_MAX:
@@ -257,6 +323,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
                 self._awaiting_first.pop(request_id, None)
         self._pending.pop(internal_request_id, None)
         self._chosen_at.pop(internal_request_id, None)
+        self._fallbacks.pop(internal_request_id, None)
 
     def _staleness(self, uid: str) -> float | None:
         last = self.subscriber.last_event_at(uid)
@@ -265,15 +332,43 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     # ---------------------------------------------------------------- introspection
 
     def export_gauges(self) -> None:
-        """Refresh the gauges of the index and event path (called on ``/metrics``)."""
+        """Refresh the gauges of the index and event path (called on ``/metrics``; O(1) under the lock)."""
+        self.subscriber.ensure_running()
         with self.lock:
             metrics.INDEXED_BLOCKS.set(self.index.num_keys)
             metrics.INDEX_BYTES.set(self.index.memory_bytes())
-        ev = self.subscriber.stats
-        metrics.EVENT_LAG.set(ev.last_lag_s)
-        for kind, value in ev.as_dict().items():
-            if not kind.endswith("_s"):
-                metrics.EVENT_COUNTERS.labels(kind=kind).set(value)
+            index_stats = self.index.stats.as_dict()
+        metrics.EVENT_LAG.set(self.subscriber.last_lag_s)
+        metrics.EVENT_PATH_ALIVE.set(1 if self.subscriber.alive() else 0)
+        for kind, value in dict(self.subscriber.stats).items():
+            metrics.EVENT_COUNTERS.labels(kind=kind).set(value)
+        for kind in ("unknown_replica_events", "unknown_removed", "duplicate_keys", "over_capacity_keys"):
+            metrics.EVENT_COUNTERS.labels(kind=f"index_{kind}").set(index_stats[kind])
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """``(ready, detail)``: ready when at least one engine replica is known and every
+        known one is warmed up, its relay runs and its snapshot is applied here.
+
+        ``detail``: ``replicas`` (known), ``ready_replicas``, ``synced_replicas``,
+        ``event_path_alive`` and, when not ready, ``reason``.
+        """
+        replicas = list(self.curr_replicas.values())
+        ready = [r for r in replicas if (r.routing_stats or {}).get(stats_keys.STAT_READY)]
+        synced = [r for r in replicas if self.subscriber.synced(r.replica_id.unique_id)]
+        alive = self.subscriber.alive()
+        detail: dict[str, Any] = {"replicas": len(replicas), "ready_replicas": len(ready),
+                                  "synced_replicas": len(synced), "event_path_alive": alive}
+        if self.init_error is not None:
+            detail["reason"] = f"request router cannot start: {self.init_error}"
+        elif not replicas:
+            detail["reason"] = "no engine replica is running yet"
+        elif len(ready) < len(replicas):
+            detail["reason"] = f"{len(replicas) - len(ready)} of {len(replicas)} engine replicas are not warmed up yet"
+        elif len(synced) < len(replicas):
+            detail["reason"] = f"{len(replicas) - len(synced)} of {len(replicas)} engine replicas' block snapshots are not applied yet"
+        elif not alive:
+            detail["reason"] = "the KV-event subscriber is not running"
+        return "reason" not in detail, detail
 
     def engine_metrics_targets(self) -> dict[str, str]:
         """``{replica id: host:port}`` of each engine replica's Prometheus endpoint."""
@@ -295,7 +390,11 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
                 "index_stats": self.index.stats.as_dict(),
             }
         snap["subscribed"] = self.subscriber.endpoints()
-        snap["events"] = self.subscriber.stats.as_dict()
+        snap["synced"] = sorted(uid for uid in snap["subscribed"] if self.subscriber.synced(uid))
+        snap["events"] = dict(self.subscriber.stats)
+        snap["event_path_alive"] = self.subscriber.alive()
+        snap["router_error"] = self.init_error
+        snap["router_replica_id"] = self.caller_replica_id
         # Read from the ingress's event loop while the router's loop (another
         # thread) mutates these: copy in one C-level call before iterating.
         inflight = dict(self.core.inflight)

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.conftest import deploy, start_app, stop_all
+from tests.conftest import deploy, engine_deployment, start_app, stop_all
 
 pytestmark = pytest.mark.engine
 
@@ -112,18 +112,19 @@ def test_index_follows_engine_events(app):
             break
         time.sleep(0.2)
     snap = routing(app)
-    assert snap["events"]["batches"] > 0 and snap["events"]["decode_errors"] == 0
+    assert snap["events"]["batches"] > 0 and snap["events"].get("errors_decode", 0) == 0
+    assert snap["synced"] == sorted(snap["subscribed"]) and snap["event_path_alive"]
     assert snap["replica_blocks"][served_by] >= 640 // BLOCK
     assert set(snap["replica_blocks"]) <= set(snap["subscribed"])
     assert len(snap["subscribed"]) == 2
 
 
-def engine_replica_pid(replica_uid: str) -> int:
-    """PID of the Serve replica actor whose id ends with ``replica_uid``."""
+def engine_replica_pid(replica_uid: str, deployment: str = "VLLMEngine") -> int:
+    """PID of the Serve replica actor of ``deployment`` whose id ends with ``replica_uid``."""
     import ray
 
     names = [a for a in ray.util.list_named_actors(all_namespaces=True)
-             if "VLLMEngine" in a["name"] and a["name"].endswith(replica_uid)]
+             if deployment in a["name"] and a["name"].endswith(replica_uid)]
     assert len(names) == 1, names
     actor = ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
     return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
@@ -162,6 +163,107 @@ class Stream(threading.Thread):
         except Exception as e:  # noqa: BLE001 - recorded for the assertion message
             self.error = {"message": repr(e)}
         self.ended_at = time.monotonic()
+
+
+def wait_ready(app, timeout_s: float = 180.0) -> dict:
+    """Poll ``/ready`` until it answers 200; returns its body."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = httpx.get(f"{app.base_url}/ready", timeout=10)
+            if last.status_code == 200:
+                return last.json()
+        except httpx.HTTPError as e:
+            last = e
+        time.sleep(0.5)
+    raise AssertionError(f"/ready never answered 200: {getattr(last, 'text', last)}")
+
+
+WARM = [tokens(4000 + i, 1024) for i in range(4)]  # four 1,024-token prefixes
+HOLDERS: dict[int, str] = {}  # prefix number -> the engine replica that computed it
+
+
+def test_restarted_ingress_sends_every_prefix_back_to_its_holder(app):
+    """Issue 13: an ingress replica that starts after the engines learns what they hold
+    from their relays' snapshots (before: 2 of 4 prefixes were computed from scratch)."""
+    for i, prompt in enumerate(WARM):
+        out = complete(app, prompt)
+        HOLDERS[i] = decision(app, out["id"])["replica_id"]
+    assert len(set(HOLDERS.values())) == 2, HOLDERS  # both engines hold some: a blind router would miss
+    old = routing(app)["router_replica_id"]
+    assert old is not None
+    os.kill(engine_replica_pid(old, "OpenAIIngress"), signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:  # Serve starts a new ingress replica
+        try:
+            if routing(app)["router_replica_id"] not in (None, old):
+                break
+        except (httpx.HTTPError, AssertionError, KeyError, ValueError):
+            pass
+        time.sleep(1)
+    ready = wait_ready(app)
+    assert ready["status"] == "ready"
+    snap = routing(app)
+    assert snap["router_replica_id"] != old and snap["synced"] == sorted(snap["subscribed"])
+    assert snap["events"]["snapshots"] >= 2
+    full = (1024 - 1) // BLOCK * BLOCK  # hits stop one token short of the prompt
+    for i, prompt in enumerate(WARM):
+        out = complete(app, prompt)
+        assert decision(app, out["id"])["replica_id"] == HOLDERS[i]
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 1024 - BLOCK
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == full
+
+
+def find_decision(app, request_id: str, tries: int = 40) -> dict:
+    """The decision of ``request_id`` from whichever ingress replica routed it (the proxy
+    picks an ingress per request, and only the router that routed it knows)."""
+    for _ in range(tries):
+        r = httpx.get(f"{app.base_url}/debug/routing/decisions/{request_id}", timeout=30)
+        if r.status_code == 200:
+            return r.json()
+    raise AssertionError(f"no ingress replica knows {request_id}")
+
+
+def test_scaled_up_ingress_replicas_both_route_warm_prefixes_to_their_holders(app):
+    import copy
+
+    from ray import serve
+
+    assert HOLDERS, "runs after the restart test, which warms the prefixes"
+    entry = copy.deepcopy(app.entry)
+    entry.setdefault("deployments", []).append({"name": "OpenAIIngress", "num_replicas": 2})
+    deploy(entry)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            dep = serve.status().applications[app.name].deployments["OpenAIIngress"]
+            if dep.replica_states.get("RUNNING", 0) == 2 and dep.status == "HEALTHY":
+                break
+            time.sleep(1)
+        else:
+            pytest.fail("the ingress did not scale to 2 replicas")
+        for _ in range(6):  # each proxy request may land on either ingress: both must be ready
+            wait_ready(app)
+        routers = set()
+        full = (1024 - 1) // BLOCK * BLOCK
+        for rnd in range(4):
+            for i, prompt in enumerate(WARM):
+                out = complete(app, prompt)
+                d = find_decision(app, out["id"])
+                routers.add(d["router_replica_id"])
+                assert d["replica_id"] == HOLDERS[i], (rnd, i, d)
+                assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == full
+        assert len(routers) == 2, f"only {routers} routed: the proxy never picked the other ingress"
+    finally:
+        deploy(app.entry)  # back to one ingress replica for the tests that follow
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            dep = serve.status().applications[app.name].deployments["OpenAIIngress"]
+            if dep.replica_states.get("RUNNING", 0) == 1 and sum(dep.replica_states.values()) == 1:
+                break
+            time.sleep(1)
+        wait_ready(app)
 
 
 def test_replica_loss_mid_stream_then_replacement_is_indexed(app):
@@ -240,7 +342,7 @@ def test_scale_down_drains_in_flight_streams(app):
         time.sleep(0.1)
     on = {decision(app, s.request_id)["replica_id"] for s in streams}
     entry = copy.deepcopy(app.entry)
-    entry["deployments"][0]["num_replicas"] = 1  # what editing serve_config.yaml and redeploying does
+    engine_deployment(entry)["num_replicas"] = 1  # what editing serve_config.yaml and redeploying does
     deploy(entry)
     for s in streams:
         s.join(timeout=180)

@@ -1,0 +1,125 @@
+"""``app.router.PrefixAffinityRouter`` built as Serve builds it, without a cluster.
+
+The router is Ray Serve's own ``RequestRouter`` subclass, constructed with Serve's
+real ``DeploymentID`` / ``RunningReplicaInfo`` / ``PendingRequest`` types; its
+candidates are Serve's ``RunningReplica`` with only the actor lookup of its
+constructor left out (``UnconnectedReplica``: no cluster runs here, and choosing
+a replica never calls its actor). What is checked: a router whose
+kwargs do not validate still answers every request (Serve would hang them if
+``initialize_state`` raised) and marks them with the error; a router knows the
+block size from its config before any routing stats arrive; readiness says why
+it is not ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from array import array
+
+import pytest
+
+from app.protocol import EngineRequest
+
+pytest.importorskip("ray.serve")
+
+
+def make_router(**kwargs):
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from app.router import PrefixAffinityRouter
+
+    router = PrefixAffinityRouter(DeploymentID(name="VLLMEngine", app_name="prefix-serve"),
+                                  DeploymentHandleSource.REPLICA)
+    router.initialize_state(**kwargs)
+    return router
+
+
+def replica(uid: str, stats: dict | None = None):
+    from ray.serve._private.common import DeploymentID, ReplicaID, RunningReplicaInfo
+    from ray.serve._private.request_router.replica_wrapper import RunningReplica
+
+    class UnconnectedReplica(RunningReplica):
+        def __init__(self, replica_info: RunningReplicaInfo):  # RunningReplica's, less the actor lookup
+            self._replica_info = replica_info
+            self._multiplexed_model_ids = set(replica_info.multiplexed_model_ids)
+
+    info = RunningReplicaInfo(replica_id=ReplicaID(uid, DeploymentID(name="VLLMEngine", app_name="prefix-serve")),
+                              node_id=None, node_ip="127.0.0.1", availability_zone=None,
+                              actor_name=f"SERVE_REPLICA::prefix-serve#VLLMEngine#{uid}", max_ongoing_requests=32,
+                              routing_stats=stats or {})
+    return UnconnectedReplica(info)
+
+
+def pending(request, internal_id: str = "i-1"):
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve._private.request_router.common import PendingRequest
+
+    return PendingRequest(args=[request], kwargs={}, metadata=RequestMetadata(request_id="r", internal_request_id=internal_id))
+
+
+def engine_request(n_tokens: int = 96) -> EngineRequest:
+    return EngineRequest(request_id="cmpl-1", prompt_token_ids=array("I", range(1, n_tokens + 1)))
+
+
+@pytest.fixture
+def routers():
+    made = []
+
+    def build(**kwargs):
+        made.append(make_router(**kwargs))
+        return made[-1]
+
+    yield build
+    for r in made:
+        r.subscriber.close()
+
+
+def on_loop(test):
+    """Run ``test`` (a coroutine function) on an event loop, as Serve runs its routers."""
+    import functools
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        return asyncio.run(test(*args, **kwargs))
+
+    return run
+
+
+@on_loop
+async def test_a_router_with_bad_kwargs_answers_every_request_with_the_error(routers):
+    router = routers(load_factor=-1, not_a_knob=1)
+    assert router.init_error is not None and "load_factor" in router.init_error and "not_a_knob" in router.init_error
+    candidates = [replica("a"), replica("b")]
+    request = engine_request()
+    ranked = await router.choose_replicas(candidates, pending(request))
+    assert [r.replica_id.unique_id for r in ranked[0]] in (["a", "b"], ["b", "a"])  # routed, never hung
+    assert request.router_error == router.init_error  # the engine answers it as a 500 naming the setting
+    router.update_replicas(candidates)
+    ready, detail = router.readiness()
+    assert not ready and "request router cannot start" in detail["reason"] and "load_factor" in detail["reason"]
+
+
+@on_loop
+async def test_a_router_knows_the_block_size_before_any_routing_stats(routers):
+    router = routers(block_size=32)
+    request = engine_request(96)
+    ranked = await router.choose_replicas([replica("a"), replica("b")], pending(request))
+    assert ranked and request.router_error is None
+    entry = router._pending["i-1"]  # scored: the prompt's 3 block keys at block size 32
+    assert len(entry[0]) == 3 and entry[2] == 32
+    assert "i-1" not in router._fallbacks
+
+
+@on_loop
+async def test_readiness_names_what_is_missing(routers):
+    from app.protocol import STAT_READY
+
+    router = routers(block_size=32)
+    ready, detail = router.readiness()
+    assert not ready and detail["reason"] == "no engine replica is running yet"
+    router.update_replicas([replica("a", {STAT_READY: False}), replica("b", {STAT_READY: True})])
+    ready, detail = router.readiness()
+    assert not ready and detail["reason"].startswith("1 of 2 engine replicas are not warmed up")
+    router.update_replicas([replica("a", {STAT_READY: True}), replica("b", {STAT_READY: True})])
+    ready, detail = router.readiness()  # no relay endpoints in the stats: nothing followed, nothing synced
+    assert not ready and "snapshots are not applied" in detail["reason"] and detail["synced_replicas"] == 0
