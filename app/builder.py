@@ -2,9 +2,13 @@
 
 ``build_app(args)`` validates ``args`` with ``app.config.AppArgs`` and returns the
 bound Serve application: ``OpenAIIngress`` in front of ``VLLMEngine`` replicas.
-The request router of the engine deployment is set in ``serve_config.yaml`` under
-``deployments: [{name: VLLMEngine, request_router_config: ...}]``; when the config
-does not set one, ``DEFAULT_ROUTER_CLASS`` is used.
+The engine deployment's request router is ``DEFAULT_ROUTER_CLASS`` with the
+validated ``router:`` block of the args as its kwargs (``block_size`` filled from
+``engine.block_size``), so a bad router knob fails here, when ``serve run`` builds
+the app, not later in the router. A ``deployments: [{name: VLLMEngine,
+request_router_config: ...}]`` override in a config replaces this router config
+wholesale (Serve builds a new ``RequestRouterConfig`` from it): the A/B harness
+swaps router classes that way; a serving config should not.
 """
 
 from __future__ import annotations
@@ -20,27 +24,34 @@ from app.ingress import OpenAIIngress
 
 DEFAULT_ROUTER_CLASS = "app.router:PrefixAffinityRouter"
 ROUTING_STATS_PERIOD_S = 1.0
+ROUTING_STATS_TIMEOUT_S = 10.0
 
 
 def router_config(router_class: str = DEFAULT_ROUTER_CLASS, kwargs: dict[str, Any] | None = None) -> RequestRouterConfig:
-    """The engine deployment's ``RequestRouterConfig`` for ``router_class``."""
+    """The engine deployment's ``RequestRouterConfig`` for ``router_class``.
+
+    ``kwargs``: the router's ``initialize_state`` kwargs (for ours,
+    ``RouterConfig.model_dump()``); routing stats are polled every
+    ``ROUTING_STATS_PERIOD_S`` seconds (``ROUTING_STATS_TIMEOUT_S`` timeout).
+    """
     return RequestRouterConfig(
         request_router_class=router_class,
         request_router_kwargs=kwargs or {},
         request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
-        request_routing_stats_timeout_s=10.0,
+        request_routing_stats_timeout_s=ROUTING_STATS_TIMEOUT_S,
     )
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    """Return the bound application; raises ``ValueError`` naming every bad arg."""
+    """Return the bound application; raises ``ValueError`` naming every bad arg
+    (``router.load_factor: ...``, ``model: path '...' does not exist ...``)."""
     cfg = parse_app_args(args)
     er = cfg.engine_replicas
     tp = cfg.engine.tensor_parallel_size
     engine_options: dict[str, Any] = dict(
         num_replicas=er.num_replicas,
         max_ongoing_requests=er.max_ongoing_requests,
-        request_router_config=router_config(),
+        request_router_config=router_config(kwargs=cfg.router.model_dump()),
         health_check_period_s=10,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=60,

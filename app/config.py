@@ -3,7 +3,10 @@
 Every key is validated by pydantic with ``extra="forbid"``, so a typo or a bad value
 fails the deployment at build time with a message naming the key, instead of being
 silently ignored. The same models validate the CPU default (``serve_config.yaml``)
-and the RTX 4090 cluster config (``infra/serve_config.4090.yaml``).
+and the RTX 4090 cluster config (``infra/serve_config.4090.yaml``). That covers the
+request router's knobs (``router:``, ``RouterConfig``) and the existence of local
+model, tokenizer and LoRA paths (``check_local_path``): ``serve run`` fails before
+any replica starts.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import random
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from routing.affinity import AffinityRouter
 from routing.index import BlockIndex
@@ -70,10 +74,18 @@ _POLICY = PolicyConfig()
 class RouterConfig(_Strict):
     """Knobs of the prefix-affinity request router (see ``routing/policy.py``).
 
-    Given as ``request_router_kwargs`` of the engine deployment's
-    ``request_router_config`` in ``serve_config.yaml``; validated when the router starts.
+    The ``router:`` block of the app args (``AppArgs.router``), so a bad key or value
+    fails ``build_app`` (the deploy) at once. ``app.builder`` passes the validated
+    knobs, ``block_size`` filled in, as ``request_router_kwargs`` of the engine
+    deployment's ``request_router_config``; the router validates them again when it
+    starts.
     """
 
+    block_size: int | None = Field(
+        None, ge=1,
+        description="tokens per KV block; the builder fills it from engine.block_size so a router "
+                    "scores requests from its first one",
+    )
     max_indexed_blocks: int = Field(1_000_000, ge=1, description="index cap; least recently used blocks go first")
     predicted_ttl_s: float = Field(2.0, gt=0.0, description="blind-window lifetime of predicted blocks")
     load_factor: float = Field(2.0, ge=1.0, description="bounded load: spill above this multiple of mean load")
@@ -120,7 +132,13 @@ class LoRAModule(_Strict):
     """One LoRA adapter, as vLLM's ``--lora-modules name=path``."""
 
     name: str = Field(..., min_length=1, description="the `model` clients send to use the adapter")
-    path: str = Field(..., min_length=1, description="folder of a PEFT adapter (adapter_config.json + weights)")
+    path: str = Field(..., min_length=1, description="folder of a PEFT adapter (adapter_config.json + weights), "
+                                                     "or a hub id")
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, v: str) -> str:
+        return check_local_path(v)
 
 
 class ServingConfig(_Strict):
@@ -159,10 +177,14 @@ class ServingConfig(_Strict):
 class AppArgs(_Strict):
     """Arguments of the prefix-serve application (``app.builder:build_app``)."""
 
-    model: str = Field("models/tiny-qwen2", description="HF model id or local folder")
+    model: str = Field("models/tiny-qwen2", description="HF model id or local folder (see `resolve_path`)")
     served_model_name: str = Field("tiny-qwen2", min_length=1, description="the `model` clients send")
     tokenizer: str | None = Field(None, description="defaults to `model`")
     engine: EngineConfig = EngineConfig()
+    router: RouterConfig = Field(
+        default_factory=RouterConfig, validate_default=True,
+        description="knobs of the prefix-affinity request router; block_size is filled from engine.block_size",
+    )
     serving: ServingConfig = ServingConfig()
     engine_replicas: ReplicaConfig = ReplicaConfig(num_replicas=2, num_cpus=0.5)
     ingress_replicas: ReplicaConfig = ReplicaConfig(num_replicas=1, num_cpus=0.25, max_ongoing_requests=256)
@@ -173,6 +195,32 @@ class AppArgs(_Strict):
     )
     metrics_public: bool = Field(False, description="serve /metrics and /metrics/engines without the API key")
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get HTTP 413")
+
+    @field_validator("model", "tokenizer")
+    @classmethod
+    def _path_exists(cls, v: str | None) -> str | None:
+        return v if v is None else check_local_path(v)
+
+    @field_validator("router")
+    @classmethod
+    def _router_block_size(cls, router: RouterConfig, info: ValidationInfo) -> RouterConfig:
+        """``router.block_size`` = ``engine.block_size``: filled in when unset, refused when it differs."""
+        engine = info.data.get("engine")
+        if engine is None:  # engine failed validation: that error is reported on its own
+            return router
+        if router.block_size is None:
+            return router.model_copy(update={"block_size": engine.block_size})
+        if router.block_size != engine.block_size:
+            # Raised as a ValidationError located at ``block_size`` so the message names
+            # ``router.block_size`` (pydantic prefixes the field's own location).
+            raise ValidationError.from_exception_data("RouterConfig", [InitErrorDetails(
+                type=PydanticCustomError(
+                    "block_size_mismatch",
+                    "{given} differs from engine.block_size = {engine}; leave it out (it is filled from "
+                    "engine.block_size)",
+                    {"given": router.block_size, "engine": engine.block_size}),
+                loc=("block_size",), input=router.block_size)])
+        return router
 
     @model_validator(mode="after")
     def _adapter_names(self) -> "AppArgs":
@@ -189,23 +237,63 @@ class AppArgs(_Strict):
         return resolve_path(self.tokenizer or self.model)
 
 
+def looks_local(name: str) -> bool:
+    """Whether ``name`` can only be a local path, not a hub id (``namespace/name``).
+
+    Local: absolute, starting with ``./``, ``../``, ``~`` or ``models/``, or with more
+    than one ``/``. A plain ``name`` or ``namespace/name`` may be either: a local
+    folder when one exists (see ``resolve_path``), else a hub id.
+    """
+    return (name.startswith(("/", "./", "../", "~", "models/")) or name in (".", "..")
+            or name.count("/") > 1)
+
+
 def resolve_path(name: str) -> str:
-    """A local path made absolute (tried from the working directory, then the repo root); else ``name``."""
-    p = Path(name)
+    """A local path made absolute (tried from the working directory, then the repo root); else ``name``.
+
+    ``~`` is expanded. A name that ``looks_local`` but exists nowhere is made absolute
+    under the repo root (``check_local_path`` refuses such names when the args are
+    validated); any other name that is no local path is returned as is (a hub id).
+    """
+    p = Path(name).expanduser()
     if p.is_absolute():
         return str(p)
     for base in (Path.cwd(), REPO_ROOT):
         if (base / p).exists():
             return str((base / p).resolve())
-    if name.startswith(("models/", "./", "../")):
+    if looks_local(name):
         return str((REPO_ROOT / p).resolve())
     return name
 
 
+def check_local_path(name: str) -> str:
+    """``name`` unchanged if it exists locally or may be a hub id (a field validator).
+
+    When ``name`` ``looks_local`` and exists nowhere ``resolve_path`` looks, raises
+    pydantic's ``PydanticCustomError`` (type ``path_not_found``; ``parse_app_args``
+    reports it as ``<field>: path '<name>' does not exist (looked in <cwd> and <repo
+    root>)``) instead of letting vLLM / huggingface_hub call it an invalid repo id.
+    The check runs wherever the args are validated: in ``build_app`` (Serve's build
+    task, on any node of the cluster), then in every replica; so a local path must
+    exist on every node (the same image or a shared volume).
+    """
+    if not looks_local(name):
+        return name
+    p = Path(name).expanduser()
+    if p.is_absolute():
+        if p.exists():
+            return name
+        where = ""
+    else:
+        bases = list(dict.fromkeys((Path.cwd(), REPO_ROOT)))
+        if any((base / p).exists() for base in bases):
+            return name
+        where = f" (looked in {' and '.join(str(b) for b in bases)})"
+    raise PydanticCustomError("path_not_found", "path '{path}' does not exist{where}", {"path": name, "where": where})
+
+
 def parse_app_args(args: dict[str, Any] | None) -> AppArgs:
     """Validate the ``args:`` mapping; raises ``ValueError`` with every problem listed."""
-    from pydantic import ValidationError
-
     try:
         return AppArgs.model_validate(args or {})
     except ValidationError as e:

@@ -19,8 +19,10 @@ answer is vLLM's own. This deployment only:
 
 HTTP routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream:
 true`` gives server-sent events), ``POST /tokenize`` and ``POST /detokenize``
-(also under ``/v1/``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``,
-``GET /metrics/engines``, ``GET /debug/routing``, ``GET /debug/routing/decisions/{id}``.
+(also under ``/v1/``), ``GET /v1/models``, ``GET /health`` (liveness: this ingress
+is up), ``GET /ready`` (readiness: the engines can serve and this process's request
+routers are subscribed; no API key), ``GET /metrics``, ``GET /metrics/engines``,
+``GET /debug/routing``, ``GET /debug/routing/decisions/{id}``.
 
 Python handles (from another Ray app, ``serve.get_app_handle("prefix-serve")``):
 
@@ -30,11 +32,14 @@ Python handles (from another Ray app, ``serve.get_app_handle("prefix-serve")``):
 - ``await handle.completions.remote(body)`` / ``completions_stream`` likewise.
 
 ``body`` is a dict in the OpenAI request shape or vLLM's request model. Errors
-raise ``OpenAIError`` carrying vLLM's status, type, message and param.
+raise ``OpenAIError`` carrying vLLM's status, type, message and param (the caller
+catches Ray's ``RayTaskError(OpenAIError)`` with ``except OpenAIError``; see
+``app.errors``); a 4xx is logged by this replica without its traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -53,7 +58,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import auth, metrics, tracing
 from app.config import AppArgs
-from app.errors import OpenAIError, error_body
+from app.errors import OpenAIError, error_body, quiet_client_errors
 from app.protocol import EngineRequest, EngineSummary, FirstOutput
 
 logger = logging.getLogger("prefix_serve.ingress")
@@ -77,6 +82,10 @@ _SPAN_OPERATION = {_CHAT: "chat", _COMPLETION: "text_completion"}
 _ID_PREFIX = {_CHAT: "chatcmpl", _COMPLETION: "cmpl"}  # vLLM's response id prefixes
 _DONE = "data: [DONE]\n\n"
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate
+READY_ENGINE_TIMEOUT_S = 2.0
+"""How long ``GET /ready`` waits for an engine replica to answer when this process has no router yet."""
+PUBLIC_PATHS = frozenset({"/ready"})
+"""Routes served without the API key (readiness probes carry no credentials)."""
 
 
 @fastapi_app.exception_handler(OpenAIError)
@@ -212,6 +221,11 @@ def _is_error_event(chunk: str) -> bool:
     return chunk.startswith('data: {"error"')
 
 
+async def _awaited(response: Any) -> Any:
+    """``await response`` as a coroutine (for ``asyncio.wait_for`` on a Serve ``DeploymentResponse``)."""
+    return await response
+
+
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(fastapi_app)
 class OpenAIIngress:
@@ -226,13 +240,85 @@ class OpenAIIngress:
         self.renderer = Renderer(self.args)
         tracing.setup_tracing(self.args.tracing, "ingress")
         auth.configure(self.args.api_key_env,
-                       frozenset({"/metrics", "/metrics/engines"}) if self.args.metrics_public else frozenset())
+                       PUBLIC_PATHS | ({"/metrics", "/metrics/engines"} if self.args.metrics_public else set()))
+        quiet_client_errors()  # a handle caller's 4xx: no traceback in this replica's log
 
     # ----------------------------------------------------------------- HTTP routes
 
     @fastapi_app.get("/health")
     async def health(self) -> dict[str, str]:
+        """Liveness: this ingress replica is up (the engines may still be loading)."""
         return {"status": "ok"}
+
+    @fastapi_app.get("/ready")
+    async def ready(self):
+        """Readiness: can this ingress serve a request now?
+
+        200 ``{"status": "ready", "routers": [<each router's readiness detail>], ...}``
+        once the engines can serve and every request router of this process is
+        subscribed (every engine replica it knows loaded, warmed up, its KV-event
+        snapshot applied); otherwise 503 with an OpenAI error body
+        (``ServiceUnavailableError``) whose message says what is missing. Answers
+        within about ``READY_ENGINE_TIMEOUT_S``; needs no API key.
+        """
+        ready, detail = await self._readiness()
+        if ready:
+            return {"status": "ready", **detail}
+        return JSONResponse(error_body(detail["reason"], 503, "ServiceUnavailableError"), status_code=503)
+
+    async def _readiness(self) -> tuple[bool, dict[str, Any]]:
+        """``(ready, detail)``; ``detail["reason"]`` says what is missing when not ready.
+
+        Serve creates the engine handle's request router with the handle's first
+        call, so with no router in this process yet the engines are asked first
+        (``VLLMEngine.readiness``, through the handle, at most
+        ``READY_ENGINE_TIMEOUT_S``). Then every router in ``metrics.ROUTERS`` must
+        report ready (``router.readiness() -> (bool, detail)``). If the call made no
+        router of ours (a baseline router of the A/B harness), the engine's answer
+        decides.
+        """
+        detail: dict[str, Any] = {}
+        routers = list(metrics.ROUTERS)
+        if not routers:
+            response = self.engine.readiness.remote()
+            try:
+                engine = await asyncio.wait_for(_awaited(response), READY_ENGINE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                response.cancel()
+                return False, {"reason": f"engines not running yet: no engine replica answered within "
+                                         f"{READY_ENGINE_TIMEOUT_S:g} s"}
+            except Exception as e:  # noqa: BLE001 - a replica dying or still starting: not ready, say why
+                cause = getattr(e, "cause", None) or e
+                return False, {"reason": f"engines not running yet: readiness call failed: {type(cause).__name__}"}
+            engine = engine if isinstance(engine, dict) else {"ready": bool(engine)}
+            if not engine.get("ready"):
+                if engine.get("reason"):
+                    why = engine["reason"]
+                elif not engine.get("warmed", True):
+                    why = "warming up"
+                elif not engine.get("relay_alive", True):
+                    why = "its KV-event relay is not running"
+                else:
+                    why = "loading"
+                return False, {"reason": f"engine replica not ready: {why}"}
+            detail["engine"] = engine
+            routers = list(metrics.ROUTERS)
+            if not routers:
+                return True, detail
+        states = []
+        for router in routers:
+            check = getattr(router, "readiness", None)
+            if check is None:
+                return False, {"reason": f"request router {type(router).__name__} has no readiness() check"}
+            try:
+                ok, state = check()
+            except Exception as e:  # noqa: BLE001 - a router bug must not fail the probe with a 500
+                logger.exception("router readiness check failed")
+                return False, {"reason": f"request router readiness check failed: {type(e).__name__}"}
+            if not ok:
+                return False, {"reason": f"request router not ready: {state.get('reason') or 'unknown'}"}
+            states.append(state)
+        return True, {"routers": states, **detail}
 
     @fastapi_app.get("/debug/routing")
     async def debug_routing(self) -> dict[str, Any]:

@@ -101,23 +101,32 @@ def load_app_entry(config_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def app_entry_for(base_entry: dict[str, Any], name: str, router: str) -> dict[str, Any]:
-    """The application entry with the engine deployment's router replaced by ``router``."""
+    """The application entry with the engine deployment's router replaced by ``router``.
+
+    Ours is the builder's own router config (``app.builder``: the class, the
+    ``args.router`` knobs with the block size, the stats period), so it gets no
+    override; a baseline gets a ``deployments:`` override with its class, no
+    kwargs and the same routing-stats period and timeout.
+    """
+    from app.builder import ROUTING_STATS_PERIOD_S, ROUTING_STATS_TIMEOUT_S
+
     entry = copy.deepcopy(base_entry)
     entry["name"] = name
     entry.setdefault("route_prefix", "/")
+    cls = ROUTERS[router]
+    if cls is None:
+        return entry
     deployments = entry.setdefault("deployments", [])
     engine = next((d for d in deployments if d.get("name") == ENGINE_DEPLOYMENT), None)
     if engine is None:
         engine = {"name": ENGINE_DEPLOYMENT}
         deployments.append(engine)
-    rc = dict(engine.get("request_router_config") or {})
-    cls = ROUTERS[router]
-    if cls is None:
-        rc.setdefault("request_router_class", OURS_CLASS)
-    else:
-        rc["request_router_class"] = cls
-        rc["request_router_kwargs"] = {}
-    engine["request_router_config"] = rc
+    engine["request_router_config"] = {
+        "request_router_class": cls,
+        "request_router_kwargs": {},
+        "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+        "request_routing_stats_timeout_s": ROUTING_STATS_TIMEOUT_S,
+    }
     return entry
 
 

@@ -221,8 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = yaml.safe_load(args.config.read_text())
     app_cfg = cfg["applications"][0]
     model = app_cfg["args"].get("served_model_name", "tiny-qwen2")
-    rkw = app_cfg.get("deployments", [{}])[0].get("request_router_config", {}).get("request_router_kwargs", {})
-    cap = int(rkw.get("max_indexed_blocks", 1_000_000))
+    from app.config import parse_app_args
+
+    cap = parse_app_args(app_cfg.get("args")).router.max_indexed_blocks
     url = args.url or f"http://{cfg['http_options']['host']}:{cfg['http_options']['port']}"
     proc = None if args.url else _start_app(args.config, url)
     try:

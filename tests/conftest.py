@@ -67,26 +67,35 @@ class RunningApp:
         return {"authorization": f"Bearer {key}"} if key else {}
 
 
-def start_app(arg_overrides: dict[str, Any] | None = None, name: str = "prefix-serve",
-              router: dict[str, Any] | None = None) -> RunningApp:
+def start_app(arg_overrides: dict[str, Any] | None = None, name: str = "prefix-serve") -> RunningApp:
     """Deploy the repo's ``serve_config.yaml`` the way ``serve run`` does, on loopback.
 
-    ``arg_overrides`` update the application ``args``; ``router`` replaces the engine
-    deployment's ``request_router_config``. The app is built by the Serve controller
-    from the config, so the YAML path users run is the one under test.
+    ``arg_overrides`` update the application ``args`` (router knobs: ``{"router":
+    {...}}``). The app is built by the Serve controller from the config, so the
+    YAML path users run is the one under test; it is ready when ``/ready`` says so.
     """
     import ray
 
     entry = default_config()
     entry["name"] = name
     entry["args"] = deep_update(entry["args"], arg_overrides or {})
-    if router is not None:
-        entry["deployments"][0]["request_router_config"] = router
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
              _node_ip_address="127.0.0.1")
     deploy(entry)
     _wait_ready(name)
     return RunningApp(name, entry["args"], entry)
+
+
+def engine_deployment(entry: dict[str, Any]) -> dict[str, Any]:
+    """The ``VLLMEngine`` entry of ``entry["deployments"]`` (an application entry in
+    ``serve_config.yaml`` shape), added if missing: options set there override the
+    builder's for that deployment, one by one."""
+    deployments = entry.setdefault("deployments", [])
+    for d in deployments:
+        if d.get("name") == "VLLMEngine":
+            return d
+    deployments.append({"name": "VLLMEngine"})
+    return deployments[-1]
 
 
 def deploy(entry: dict[str, Any]) -> None:
@@ -104,23 +113,26 @@ def deploy(entry: dict[str, Any]) -> None:
 
 
 def _wait_ready(name: str, timeout_s: float = 600.0) -> None:
+    """Wait until the app is RUNNING and its readiness route answers 200 (engines
+    warmed up, the ingress's router subscribed with every snapshot applied)."""
     from ray import serve
 
     deadline = time.monotonic() + timeout_s
+    last = ""
     while time.monotonic() < deadline:
         status = serve.status().applications.get(name)
         if status is not None and status.status == "RUNNING":
             try:
-                key = os.environ.get("PREFIX_SERVE_API_KEY")
-                headers = {"authorization": f"Bearer {key}"} if key else {}
-                if httpx.get(f"{BASE_URL}/health", headers=headers, timeout=10).status_code == 200:
+                r = httpx.get(f"{BASE_URL}/ready", timeout=10)
+                if r.status_code == 200:
                     return
-            except httpx.HTTPError:
-                pass
+                last = r.text
+            except httpx.HTTPError as e:
+                last = repr(e)
         if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
             raise RuntimeError(f"app {name} failed: {status.message}")
         time.sleep(1.0)
-    raise TimeoutError(f"app {name} not ready after {timeout_s} s")
+    raise TimeoutError(f"app {name} not ready after {timeout_s} s: {last}")
 
 
 def stop_all() -> None:

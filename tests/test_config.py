@@ -15,24 +15,64 @@ def _app_entry(path):
     return yaml.safe_load(path.read_text())["applications"][0]
 
 
+def _engine_router_config(application):
+    """The engine deployment's ``RequestRouterConfig`` of a built (not running) application."""
+    ingress = application._bound_deployment
+    engine = next(a for a in ingress.init_args if hasattr(a, "_bound_deployment"))._bound_deployment
+    assert engine.name == "VLLMEngine"
+    return engine._deployment_config.request_router_config
+
+
+def _kuberay_doc():
+    return yaml.safe_load((REPO / "infra" / "rayservice.4090.yaml").read_text())
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_validate(path):
     from ray.serve.schema import ServeDeploySchema
+
+    from app.builder import build_app
 
     doc = yaml.safe_load(path.read_text())
     ServeDeploySchema.model_validate(doc)  # Serve's own schema
     entry = doc["applications"][0]
     args = parse_app_args(entry["args"])
-    rcfg = entry["deployments"][0]["request_router_config"]
-    assert rcfg["request_router_class"] == "app.router:PrefixAffinityRouter"
-    RouterConfig.model_validate(rcfg["request_router_kwargs"])
     assert args.engine.block_size % 16 == 0
+    # The router knobs live in the args; a deployments override would replace them wholesale.
+    assert "router" in entry["args"]
+    assert not any("request_router_config" in d for d in entry.get("deployments", []))
+    rcfg = _engine_router_config(build_app(entry["args"]))
+    assert rcfg.request_router_class == "app.router:PrefixAffinityRouter"
+    kwargs = rcfg.request_router_kwargs
+    assert kwargs == args.router.model_dump() and kwargs["block_size"] == args.engine.block_size
+    assert entry["args"]["router"].items() <= kwargs.items()  # the knobs as the config sets them
+    assert RouterConfig.model_validate(kwargs) == args.router  # what the router validates when it starts
+    assert rcfg.request_routing_stats_period_s == 1.0
 
 
 def test_kubray_manifest_embeds_a_valid_config():
-    doc = yaml.safe_load((REPO / "infra" / "rayservice.4090.yaml").read_text())
+    doc = _kuberay_doc()
     serve_cfg = yaml.safe_load(doc["spec"]["serveConfigV2"])
-    parse_app_args(serve_cfg["applications"][0]["args"])
+    entry = serve_cfg["applications"][0]
+    args = parse_app_args(entry["args"])
+    assert not any("request_router_config" in d for d in entry.get("deployments", []))
+    # The same app as infra/serve_config.4090.yaml.
+    assert args == parse_app_args(_app_entry(REPO / "infra" / "serve_config.4090.yaml")["args"])
+
+
+def test_kuberay_gates_serve_traffic_on_ready():
+    """Workers' readiness probe is GET /ready on the Serve port; the head keeps KubeRay's
+    default probe (it must be ready before KubeRay submits the Serve config) and is kept
+    out of the serve Service."""
+    spec = _kuberay_doc()["spec"]
+    assert spec["excludeHeadPodFromServeSvc"] is True
+    head = spec["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert "readinessProbe" not in head
+    for group in spec["rayClusterConfig"]["workerGroupSpecs"]:
+        worker = group["template"]["spec"]["containers"][0]
+        probe = worker["readinessProbe"]
+        assert probe["httpGet"] == {"path": "/ready", "port": 8000}
+        assert probe["timeoutSeconds"] > 2  # /ready waits at most 2 s for an engine replica
 
 
 def test_default_config_fits_a_two_core_machine():
@@ -70,6 +110,77 @@ def test_bad_args_fail_with_the_key_named(args, needle):
 def test_unknown_router_kwarg_fails():
     with pytest.raises(ValueError, match="load_factr"):
         RouterConfig.model_validate({"load_factr": 2})
+
+
+@pytest.mark.parametrize("router, needle", [
+    ({"load_factor": -1}, "router.load_factor: Input should be greater than or equal to 1"),
+    ({"load_factr": 2.0}, "router.load_factr: Extra inputs are not permitted"),
+    ({"max_indexed_blocks": 0}, "router.max_indexed_blocks"),
+    ({"predicted_ttl_s": "soon"}, "router.predicted_ttl_s"),
+    ({"block_size": 16}, "router.block_size: 16 differs from engine.block_size = 32"),
+])
+def test_bad_router_knob_fails_the_build_naming_it(router, needle):
+    """What `serve run serve_config.yaml` calls: the shipped args with one router knob made bad."""
+    from app.builder import build_app
+
+    args = _app_entry(REPO / "serve_config.yaml")["args"]
+    args["router"] = {**args["router"], **router}
+    for call in (parse_app_args, build_app):
+        with pytest.raises(ValueError) as e:
+            call(args)
+        assert "invalid prefix-serve application args" in str(e.value)
+        assert needle in str(e.value), str(e.value)
+
+
+def test_router_block_size_is_filled_from_the_engine():
+    assert parse_app_args({}).router.block_size == 32
+    assert parse_app_args({"engine": {"block_size": 16}}).router.block_size == 16
+    assert parse_app_args({"engine": {"block_size": 16}, "router": {"block_size": 16}}).router.block_size == 16
+    assert AppArgs().router == RouterConfig(block_size=32)
+    # The dumped args (what the replicas get) validate again to the same config.
+    args = parse_app_args({"engine": {"block_size": 64}, "router": {"load_factor": 3.0}})
+    assert AppArgs.model_validate(args.model_dump()) == args
+
+
+@pytest.mark.parametrize("args, needle", [
+    ({"model": "/x/y"}, "model: path '/x/y' does not exist"),
+    ({"model": "models/no-such-model"}, "model: path 'models/no-such-model' does not exist (looked in "),
+    ({"model": "./no-such-model"}, "model: path './no-such-model' does not exist (looked in "),
+    ({"model": "../no-such-model"}, "model: path '../no-such-model' does not exist"),
+    ({"model": "~/no-such-model"}, "model: path '~/no-such-model' does not exist"),
+    ({"model": "org/name/extra"}, "model: path 'org/name/extra' does not exist"),
+    ({"tokenizer": "/no/such/tokenizer"}, "tokenizer: path '/no/such/tokenizer' does not exist"),
+    ({"serving": {"lora_modules": [{"name": "a", "path": "models/no-such-lora"}]}},
+     "serving.lora_modules.0.path: path 'models/no-such-lora' does not exist"),
+])
+def test_missing_local_path_is_named(args, needle):
+    with pytest.raises(ValueError) as e:
+        parse_app_args(args)
+    assert needle in str(e.value), str(e.value)
+    assert "Repo id" not in str(e.value)
+
+
+def test_missing_relative_path_names_where_it_was_looked_for(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as e:
+        parse_app_args({"model": "models/no-such-model"})
+    assert f"(looked in {tmp_path} and {REPO})" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct-AWQ", "gpt2"])
+def test_hub_ids_are_accepted_as_is(name):
+    args = parse_app_args({"model": name, "serving": {"lora_modules": [{"name": "a", "path": "org/lora"}]}})
+    assert args.resolved_model() == name and args.resolved_tokenizer() == name
+
+
+def test_existing_local_paths_are_accepted(tmp_path, monkeypatch):
+    model = tmp_path / "m"
+    model.mkdir()
+    assert parse_app_args({"model": str(model)}).resolved_model() == str(model)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert parse_app_args({"model": "~/m"}).resolved_model() == str(model)
+    monkeypatch.chdir(tmp_path)
+    assert parse_app_args({"model": "./m"}).resolved_model() == str(model.resolve())
 
 
 def test_relative_model_path_resolves_to_repo():

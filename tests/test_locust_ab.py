@@ -21,21 +21,29 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_each_router_is_deployed_with_its_class_and_the_same_engines():
+    import copy
+
+    from app.builder import build_app
+    from tests.test_config import _engine_router_config
+
     cfg, base = ab.load_app_entry(REPO / "serve_config.yaml")
-    ours_rc = base["deployments"][0]["request_router_config"]
+    before = copy.deepcopy(base)
+    ours_rc = _engine_router_config(build_app(base["args"]))  # the builder's: our class, args.router, stats period
     entries = {r: ab.app_entry_for(base, f"ab-{r}", r) for r in ab.ROUTERS}
     for router, entry in entries.items():
-        rc = entry["deployments"][0]["request_router_config"]
         assert entry["name"] == f"ab-{router}"
         assert entry["args"] == base["args"]  # the same engines for every router
         assert entry["import_path"] == base["import_path"]
         if router == "ours":
-            assert rc == ours_rc and rc["request_router_class"] == ab.OURS_CLASS
+            assert "deployments" not in entry  # no override: the builder's router config stands
+            assert ours_rc.request_router_class == ab.OURS_CLASS
         else:
+            rc = entry["deployments"][0]["request_router_config"]
             assert rc["request_router_class"] == ab.ROUTERS[router]
             assert rc["request_router_kwargs"] == {}
-            assert rc["request_routing_stats_period_s"] == ours_rc["request_routing_stats_period_s"]
-    assert base["deployments"][0]["request_router_config"] == ours_rc  # not mutated
+            assert rc["request_routing_stats_period_s"] == ours_rc.request_routing_stats_period_s
+            assert rc["request_routing_stats_timeout_s"] == ours_rc.request_routing_stats_timeout_s
+    assert base == before  # not mutated
 
     from ray.serve.schema import ServeDeploySchema
 

@@ -264,6 +264,13 @@ def test_every_route_requires_the_api_key(app, method, path, auth):
     assert ok.status_code == 200
 
 
+def test_ready_needs_no_api_key(app):
+    """Readiness probes carry no credentials: /ready answers without the key (200 or 503)."""
+    r = httpx.get(f"{app.base_url}/ready", timeout=30)
+    assert r.status_code in (200, 503), r.text
+    assert r.status_code == 200 or r.json()["error"]["type"] == "ServiceUnavailableError"
+
+
 def test_key_and_salt_never_written_in_clear(app, receiver):
     client = app.openai()
     prompt = [(23 * i + 7) % 900 + 10 for i in range(128)]

@@ -41,6 +41,31 @@ def test_first_request_may_be_a_two_token_prompt(app):
         assert r.json()["usage"]["prompt_tokens"] == len(prompt)
 
 
+def test_ready_turns_200_once_engines_and_routers_are_ready(app):
+    """GET /ready: 503 (OpenAI error, ServiceUnavailableError) while anything is missing,
+    200 once the engine is warmed up and the ingress's router has applied its snapshot;
+    each answer within a few seconds."""
+    import time
+
+    deadline = time.monotonic() + 120
+    while True:
+        t0 = time.monotonic()
+        r = httpx.get(f"{app.base_url}/ready", timeout=30)
+        assert time.monotonic() - t0 < 10, "/ready must answer promptly"
+        if r.status_code == 200:
+            break
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["type"] == "ServiceUnavailableError" and err["code"] == 503 and err["message"]
+        assert time.monotonic() < deadline, f"/ready still 503 after 120 s: {err['message']}"
+        time.sleep(1)
+    body = r.json()
+    assert body["status"] == "ready"
+    assert body["routers"] and all(d["replicas"] == 1 for d in body["routers"]), body
+    # /health stays a liveness check.
+    assert httpx.get(f"{app.base_url}/health", timeout=30).json() == {"status": "ok"}
+
+
 def expected_cached(prompt_len: int, shared_len: int) -> int:
     """Tokens a repeat can take from cache: shared full blocks, never the last token."""
     return min(shared_len, prompt_len - 1) // BLOCK * BLOCK
@@ -220,6 +245,55 @@ def test_python_handle_from_a_second_serve_app(app):
     assert result["stream_usage"]["completion_tokens"] == result["unary_usage"]["completion_tokens"]
     # Greedy decoding: the streamed pieces spell the unary answer.
     assert "".join(result["stream_pieces"]) == result["unary_text"]
+
+
+def _ingress_log_tail(app) -> tuple[list, dict]:
+    """The ingress replica's Serve log files and their current sizes."""
+    import glob
+    import os
+
+    import ray
+
+    logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs", "serve")
+    files = glob.glob(os.path.join(logs, f"replica_{app.name}_OpenAIIngress_*.log"))
+    return files, {f: os.path.getsize(f) for f in files}
+
+
+def test_bad_request_through_the_handle_raises_openai_error_without_log_traceback(app):
+    """A Python handle caller gets an ``OpenAIError`` it can catch (Ray's
+    ``RayTaskError(OpenAIError)``) with vLLM's status, type and param; the ingress
+    replica logs the failed call without a traceback."""
+    import time
+
+    from ray import serve
+
+    from app.errors import OpenAIError
+
+    files, sizes = _ingress_log_tail(app)
+    assert files, "no ingress replica log found"
+    handle = serve.get_app_handle(app.name)
+    body = {"model": app.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}
+    with pytest.raises(OpenAIError) as caught:
+        handle.chat.remote(body).result(timeout_s=60)
+    e = caught.value
+    assert (e.status, e.err_type, e.param) == (400, "BadRequestError", "max_tokens")
+    assert e.body()["error"]["code"] == 400 and e.message
+    with pytest.raises(OpenAIError) as caught:
+        handle.completions.remote({"model": "gpt-0", "prompt": "x", "max_tokens": 1}).result(timeout_s=60)
+    assert (caught.value.status, caught.value.err_type) == (404, "NotFoundError")
+    with pytest.raises(OpenAIError) as caught:
+        for _ in handle.options(stream=True).chat_stream.remote({**body, "stream": True}):
+            pass
+    assert (caught.value.status, caught.value.param) == (400, "max_tokens")
+    # The calls are logged (Serve's "Request failed."), without a traceback.
+    time.sleep(1)
+    new = ""
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            fh.seek(sizes[f])
+            new += fh.read()
+    assert "OpenAIError 400 BadRequestError" in new and "OpenAIError 404 NotFoundError" in new, new[-2000:]
+    assert "Traceback" not in new, new[-4000:]
 
 
 def test_oversized_body_gets_413_then_service_continues(app):
