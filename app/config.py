@@ -26,7 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf/.nan knobs fail too
 
 
 class EngineConfig(_Strict):
@@ -86,7 +86,7 @@ class RouterConfig(_Strict):
         description="tokens per KV block; the builder fills it from engine.block_size so a router "
                     "scores requests from its first one",
     )
-    max_indexed_blocks: int = Field(1_000_000, ge=1, description="index cap; least recently used blocks go first")
+    max_indexed_blocks: int = Field(1_000_000, ge=1, description="cap on (replica, block) entries of the index; keys past it are refused and counted (set it above the cluster's KV capacity in blocks)")
     predicted_ttl_s: float = Field(2.0, gt=0.0, description="blind-window lifetime of predicted blocks")
     load_factor: float = Field(2.0, ge=1.0, description="bounded load: spill above this multiple of mean load")
     load_floor: int = Field(_POLICY.load_floor, ge=0, description="no replica is over the load bound below this many requests in flight")
@@ -255,7 +255,7 @@ def resolve_path(name: str) -> str:
     under the repo root (``check_local_path`` refuses such names when the args are
     validated); any other name that is no local path is returned as is (a hub id).
     """
-    p = Path(name).expanduser()
+    p = _expanded(name)
     if p.is_absolute():
         return str(p)
     for base in (Path.cwd(), REPO_ROOT):
@@ -264,6 +264,14 @@ def resolve_path(name: str) -> str:
     if looks_local(name):
         return str((REPO_ROOT / p).resolve())
     return name
+
+
+def _expanded(name: str) -> Path:
+    """``Path(name)`` with ``~`` expanded; ``~user`` of no such user stays as written."""
+    try:
+        return Path(name).expanduser()
+    except RuntimeError:  # "Could not determine home directory": a path that exists nowhere
+        return Path(name)
 
 
 def check_local_path(name: str) -> str:
@@ -279,7 +287,7 @@ def check_local_path(name: str) -> str:
     """
     if not looks_local(name):
         return name
-    p = Path(name).expanduser()
+    p = _expanded(name)
     if p.is_absolute():
         if p.exists():
             return name

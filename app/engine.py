@@ -49,6 +49,7 @@ from app.protocol import (
 
 logger = logging.getLogger("prefix_serve.engine")
 _DONE = "data: [DONE]\n\n"  # the last SSE event of every vLLM stream
+WARMUP_RETRY_S = 5.0  # a failed warm-up is tried again this long after the last try
 
 
 def _make_load_logger(sink: dict[str, float]):
@@ -122,6 +123,7 @@ class VLLMEngine:
         self._warmed = False
         self._warmup_lock = asyncio.Lock()
         self._warmup_task: asyncio.Future | None = None
+        self._warmup_retry_at = 0.0
         self.metrics_target = self._start_metrics_server()
         logger.info(
             "engine replica %s up: KV-event relay on %s, snapshots on %s",
@@ -183,6 +185,21 @@ class VLLMEngine:
             await self.frontend.load_adapters()
             self._warmed = True
             logger.info("engine replica %s warmed up", self.replica_id)
+
+    def _ensure_warm_up(self) -> None:
+        """Start the warm-up in the background unless it is done or running; a failed
+        one is logged and tried again, ``WARMUP_RETRY_S`` after the last try."""
+        task = self._warmup_task
+        if self._warmed or (task is not None and not task.done()):
+            return
+        now = time.monotonic()
+        if task is not None:
+            error = None if task.cancelled() else task.exception()
+            if now < self._warmup_retry_at:
+                return
+            logger.error("engine replica %s: warm-up failed (%r); trying again", self.replica_id, error)
+        self._warmup_retry_at = now + WARMUP_RETRY_S
+        self._warmup_task = asyncio.ensure_future(self._warm_up())
 
     async def chat(self, request: EngineRequest) -> AsyncIterator[Any]:
         """Answer a chat completion with vLLM's ``OpenAIServingChat`` (see class doc)."""
@@ -267,8 +284,7 @@ class VLLMEngine:
         The first call starts the warm-up, so a replica is ready (``STAT_READY``)
         before its first request, not during it.
         """
-        if not self._warmed and self._warmup_task is None:
-            self._warmup_task = asyncio.ensure_future(self._warm_up())
+        self._ensure_warm_up()
         return {
             STAT_REPLICA_ID: self.replica_id,
             STAT_EVENTS_ENDPOINT: self.relay.events_endpoint,
@@ -287,8 +303,7 @@ class VLLMEngine:
 
         Warms the engine up if nothing has yet (the ingress's ``/ready`` calls this).
         """
-        if not self._warmed and self._warmup_task is None:
-            self._warmup_task = asyncio.ensure_future(self._warm_up())
+        self._ensure_warm_up()
         alive = self.relay.alive()
         return {"ready": self._warmed and alive, "warmed": self._warmed, "relay_alive": alive,
                 "replica_id": self.replica_id}

@@ -87,7 +87,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.rng = random.Random()
         self.core = self.cfg.affinity_router(self.rng)
         self.index = self.core.index
-        self.subscriber = EventSubscriber(self.index, self.lock)
+        self.subscriber = EventSubscriber(self.index, self.lock, block_size=self.cfg.block_size)
         self._pending: dict[str, tuple[list[int], int, int, Any]] = {}  # internal id -> (keys, prompt_len, block_size, decision)
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()  # EngineRequest.request_id -> decision
         self._chosen_at: dict[str, int] = {}  # internal id -> routing start (ns), for the routing span
@@ -154,22 +154,16 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             return self._fallback(candidate_replicas, pending_request, type(e).__name__)
 
     async def _wait_for_snapshots(self, candidates: list[RunningReplica]) -> None:
-        """A router that just started (or a replica just followed): wait, at most
-        ``SNAPSHOT_WAIT_S`` in all, until the candidates' block snapshots are applied,
-        so its first requests are not routed blind. Non-blocking (sleeps on the loop)."""
-        deadline = None
+        """A router that just started (or a replica just followed or out of sync): wait,
+        non-blocking on the loop, until the candidates' block snapshots are applied, so
+        its first requests are not routed blind. Each replica is waited for at most
+        ``SNAPSHOT_WAIT_S`` from when it was followed or lost sync, not per request:
+        a relay that is dead or unreachable costs requests nothing after that."""
         while True:
             for r in candidates:
                 self._follow(r)
-            pending = [r for r in candidates if self.subscriber.following(r.replica_id.unique_id)
-                       and not self.subscriber.synced(r.replica_id.unique_id)]
-            if not pending or not self.subscriber.alive():
-                return
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + SNAPSHOT_WAIT_S
-            elif now >= deadline:
-                metrics.FALLBACKS.labels(cause="snapshot_wait").inc()
+            if not self.subscriber.alive() or not any(
+                    self.subscriber.awaiting_snapshot(r.replica_id.unique_id, SNAPSHOT_WAIT_S) for r in candidates):
                 return
             await asyncio.sleep(0.01)
 
@@ -346,26 +340,38 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             metrics.EVENT_COUNTERS.labels(kind=f"index_{kind}").set(index_stats[kind])
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """``(ready, detail)``: ready when at least one engine replica is known and every
-        known one is warmed up, its relay runs and its snapshot is applied here.
+        """``(ready, detail)``: ready when at least one engine replica is warmed up, its
+        relay runs and its snapshot is applied here, and the event thread runs.
 
-        ``detail``: ``replicas`` (known), ``ready_replicas``, ``synced_replicas``,
-        ``event_path_alive`` and, when not ready, ``reason``.
+        One serving replica is enough: the probe gates a whole ingress, and every
+        ingress sees the same engines, so requiring all of them would take the
+        service down for one sick engine. ``detail``: ``replicas`` (known),
+        ``ready_replicas``, ``synced_replicas``, ``serving_replicas`` (both),
+        ``not_serving`` (replica id -> what it lacks), ``event_path_alive`` and,
+        when not ready, ``reason``.
         """
         replicas = list(self.curr_replicas.values())
-        ready = [r for r in replicas if (r.routing_stats or {}).get(stats_keys.STAT_READY)]
-        synced = [r for r in replicas if self.subscriber.synced(r.replica_id.unique_id)]
+        ready = {r.replica_id.unique_id for r in replicas if (r.routing_stats or {}).get(stats_keys.STAT_READY)}
+        synced = {r.replica_id.unique_id for r in replicas if self.subscriber.synced(r.replica_id.unique_id)}
         alive = self.subscriber.alive()
+        not_serving = {}
+        for r in replicas:
+            uid = r.replica_id.unique_id
+            if uid not in ready:
+                not_serving[uid] = "not warmed up yet"
+            elif uid not in synced:
+                not_serving[uid] = "block snapshot not applied yet"
         detail: dict[str, Any] = {"replicas": len(replicas), "ready_replicas": len(ready),
-                                  "synced_replicas": len(synced), "event_path_alive": alive}
+                                  "synced_replicas": len(synced), "serving_replicas": len(ready & synced),
+                                  "not_serving": not_serving, "event_path_alive": alive}
         if self.init_error is not None:
             detail["reason"] = f"request router cannot start: {self.init_error}"
         elif not replicas:
             detail["reason"] = "no engine replica is running yet"
-        elif len(ready) < len(replicas):
-            detail["reason"] = f"{len(replicas) - len(ready)} of {len(replicas)} engine replicas are not warmed up yet"
-        elif len(synced) < len(replicas):
-            detail["reason"] = f"{len(replicas) - len(synced)} of {len(replicas)} engine replicas' block snapshots are not applied yet"
+        elif not ready:
+            detail["reason"] = f"none of {len(replicas)} engine replicas is warmed up yet"
+        elif not ready & synced:
+            detail["reason"] = f"no warmed-up engine replica's block snapshot is applied yet ({len(replicas)} known)"
         elif not alive:
             detail["reason"] = "the KV-event subscriber is not running"
         return "reason" not in detail, detail

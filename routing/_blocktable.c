@@ -1027,7 +1027,8 @@ BlockTable_add(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
     if (keys_arg(args[1], &keys, &n) < 0)
         return NULL;
     PyObject *result = NULL;
-    PyObject *interned_bit = intern_mask(masks, bit); /* borrowed */
+    /* A strong reference: a key's __eq__ run by or_bit's dict call may clear `masks`. */
+    PyObject *interned_bit = Py_XNewRef(intern_mask(masks, bit));
     if (interned_bit == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++)
@@ -1062,6 +1063,7 @@ BlockTable_add(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
     }
     result = Py_BuildValue("(nnn)", fresh, confirmed, duplicates);
 done:
+    Py_XDECREF(interned_bit);
     PyMem_Free(keys);
     return result;
 }
@@ -1134,12 +1136,31 @@ BlockTable_clear_bit(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         PyErr_NoMemory();
         return NULL;
     }
+    /* Masks are interned and few: remember the bit test per mask object (direct-mapped
+     * by address), so the pass allocates an int per distinct mask, not per slot. */
+    enum { CACHE = 64 };
+    PyObject *seen[CACHE] = {NULL};
+    int seen_has[CACHE] = {0};
     for (size_t j = 0; j < capacity; j++) { /* collect first: erasing shifts slots */
         if (!t->slots[j].value)
             continue;
-        int held = has_bit(t, t->slots[j].key, bit);
-        if (held < 0)
-            goto done;
+        PyObject *mask = SLOT_MASK(&t->slots[j]);
+        size_t c = ((uintptr_t)mask >> 4) % CACHE;
+        int held;
+        if (seen[c] == mask) {
+            held = seen_has[c];
+        }
+        else {
+            PyObject *both = PyNumber_And(mask, bit);
+            if (both == NULL)
+                goto done;
+            held = PyObject_IsTrue(both);
+            Py_DECREF(both);
+            if (held < 0)
+                goto done;
+            seen[c] = mask; /* borrowed: nothing runs Python code before the pass ends */
+            seen_has[c] = held;
+        }
         if (!held)
             continue;
         if (count == cap) {

@@ -224,12 +224,15 @@ class BlockIndex:
 
     def _store(self, rs: _Replica, keys: bytes | Sequence[int]) -> None:
         room = self.max_blocks - self._entries
-        n = len(keys) // 8 if isinstance(keys, (bytes, bytearray, memoryview)) else len(keys)
+        packed = isinstance(keys, (bytes, bytearray, memoryview))
+        if isinstance(keys, memoryview):
+            keys = keys.cast("B")  # count bytes, whatever the view's item size
+        n = len(keys) // 8 if packed else len(keys)
         if n > room:
             self.stats.over_capacity_keys += n - max(room, 0)
             if room <= 0:
                 return
-            keys = keys[: room * 8] if isinstance(keys, (bytes, bytearray, memoryview)) else keys[:room]
+            keys = keys[: room * 8] if packed else keys[:room]
         # In C: the bit or-ed into each new key's (interned) mask, predictions confirmed.
         new, confirmed, duplicates = self._holders.add(self._predicted, keys, rs.bit, rs.slot, self._masks)
         added = new + confirmed

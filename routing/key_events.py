@@ -16,7 +16,8 @@ Live stream, on the relay's PUB socket: ZMQ multipart ``[topic, seq, payload]``,
   one after the engine replica restarts: ``seq`` then starts over);
 * ``events``: arrays tagged by their first element:
   ``["s", parent, keys]`` (``KeysStored``: ``keys`` newly held, in chain order;
-  ``parent`` the key of the first block's parent, nil at a sequence's start),
+  ``parent`` the key of the block before the first of them, nil at a sequence's
+  start),
   ``["r", keys]`` (``KeysRemoved``), ``["c"]`` (``AllKeysCleared``).
   ``keys`` are ``bytes``: uint64 little-endian, 8 bytes a key.
 

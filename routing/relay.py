@@ -161,23 +161,29 @@ class KeyRelay:
             self.stats.malformed_events += 1
             return None
         new: list[int] = []
+        new_parent = None if parent is None else seed  # the key before the first new one
+        prev = new_parent
         copies, refs = self.copies, self.refs
         for eh, key in zip(hashes, keys):
             if eh in key_of:  # another physical copy of a block held: it becomes most recent
                 self.stats.duplicate_stores += 1
                 copies[eh] = copies.get(eh, 1) + 1
                 key_of[eh] = key_of.pop(eh)
+                prev = key
                 continue
             self.stats.blocks_stored += 1
             n = refs.get(key, 0)
             refs[key] = n + 1
             if not n:  # else held under another engine hash already
+                if not new:
+                    new_parent = prev
                 new.append(key)
             key_of[eh] = key
+            prev = key
         if not new:
             return None
         self.stats.keys_stored += len(new)
-        return KeysStored(None if parent is None else seed, keys_to_bytes(new))
+        return KeysStored(new_parent, keys_to_bytes(new))
 
     def _remove(self, ev: BlockRemoved) -> KeysRemoved | None:
         if self._ignored(ev.group_idx, None):

@@ -23,9 +23,13 @@ with vLLM's ``seq`` starting at 0 in each engine process:
 * ``seq < expected``: a duplicate (dropped), or ``seq == 0`` after others: the
   engine core restarted, its cache is empty: clear.
 
-Supervision: a bad message is counted by cause and skipped; if the loop itself
-fails it is restarted (a new epoch, so every router takes a new snapshot) and
-counted in ``stats["loop_restarts"]``.  ``alive()`` tells whether the loop runs.
+Supervision: a bad message is counted by cause and skipped; a batch the relay
+cannot apply clears its state (and says so); if the loop itself fails (a socket
+error) it is restarted with a new SUB, keeping the relay's state and where it
+was in vLLM's stream (a batch lost on the way is replayed from vLLM's ring or
+shows as a gap that routers repair by a snapshot), counted in
+``stats["loop_restarts"]``.  ``alive()`` tells whether the loop runs.  Sockets
+bind and connect over IPv4 or IPv6.
 Nothing here imports Ray or vLLM.
 """
 
@@ -82,20 +86,23 @@ class RelayServer:
         self.seq = -1  # last published
         self._expected: int | None = None  # next vLLM seq
         self._ctx = zmq.Context.instance()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
+        host = f"[{bind_host}]" if ":" in bind_host else bind_host  # an IPv6 address goes in brackets
+        self._pub = self._socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
-        port = self._pub.bind_to_random_port(f"tcp://{bind_host}")
-        self.events_endpoint = f"tcp://{bind_host}:{port}"
-        self._snap = self._ctx.socket(zmq.ROUTER)
-        self._snap.setsockopt(zmq.LINGER, 0)
-        port = self._snap.bind_to_random_port(f"tcp://{bind_host}")
-        self.snapshot_endpoint = f"tcp://{bind_host}:{port}"
+        self.events_endpoint = f"tcp://{host}:{self._pub.bind_to_random_port(f'tcp://{host}')}"
+        self._snap = self._socket(zmq.ROUTER)
+        self.snapshot_endpoint = f"tcp://{host}:{self._snap.bind_to_random_port(f'tcp://{host}')}"
         self._sub: zmq.Socket | None = None
         self._stop = threading.Event()
         self._heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._supervise, name="kv-event-relay", daemon=True)
         self._thread.start()
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
+        return sock
 
     def alive(self, within_s: float = 5.0) -> bool:
         """True while the loop runs and went round within ``within_s`` seconds."""
@@ -117,26 +124,17 @@ class RelayServer:
                 return
             except Exception:  # noqa: BLE001 - keep relaying whatever happened
                 self.stats["loop_restarts"] += 1
-                logger.exception("KV-event relay loop failed; restarting it with a fresh state")
-                self._restart_state()
+                logger.exception("KV-event relay loop failed; restarting it (state kept)")
+                if self._sub is not None:
+                    self._sub.close(linger=0)
+                    self._sub = None
                 self._stop.wait(backoff)
                 backoff = min(2.0, backoff * 2)
 
-    def _restart_state(self) -> None:
-        """After a loop failure the state may be half-applied: start a new epoch from nothing."""
-        if self._sub is not None:
-            self._sub.close(linger=0)
-            self._sub = None
-        self.relay.clear()
-        self.epoch = secrets.randbits(63)
-        self.seq = -1
-        self._expected = None
-
     def _loop(self) -> None:
-        sub = self._sub = self._ctx.socket(zmq.SUB)
+        sub = self._sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.RCVHWM, 100_000)
-        sub.setsockopt(zmq.LINGER, 0)
         sub.connect(self.vllm_events)
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
@@ -227,8 +225,7 @@ class RelayServer:
         if not self.vllm_replay:
             return False
         self.stats["replays"] += 1
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = self._socket(zmq.DEALER)
         got: dict[int, object] = {}
         try:
             sock.connect(self.vllm_replay)

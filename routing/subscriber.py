@@ -18,10 +18,16 @@ takes the same lock for lookups):
    replica restarted) or an error applying a batch is repaired by a new
    snapshot, never by dropping what the index holds and waiting for it to come
    back.  A snapshot that does not come within ``snapshot_timeout_s`` is asked
-   for again, with backoff.
+   for again, with backoff; so is one asked for again soon after the last
+   (a replica that keeps losing sync costs its relay a snapshot a few seconds
+   at most, never a storm).  Kept batches of another epoch than the snapshot's
+   are dropped (the relay restarted meanwhile; its next batch brings a snapshot
+   of the new epoch).
 4. **Unfollow** (``remove_replica``): the replica's entries go at once, and
    events still in flight for it are dropped (checked under ``lock``), so a
-   removed replica never comes back unless followed again.
+   removed replica never comes back unless followed again.  Each follow is a new
+   generation: unfollowing and following again, however quickly, starts over
+   from a snapshot.
 
 Every error is counted by cause in ``stats`` (``errors_<cause>``); the thread is
 supervised: if its loop fails, it is restarted with fresh sockets and every
@@ -55,6 +61,7 @@ class _Source:
     replica_id: str
     events_endpoint: str
     snapshot_endpoint: str
+    generation: int
     sub: zmq.Socket | None = None
     epoch: int | None = None
     seq: int = -1  # last applied (live or snapshot)
@@ -64,7 +71,8 @@ class _Source:
     snap_deadline: float = 0.0
     snap_not_before: float = 0.0
     snap_backoff: float = 0.1
-    last_event_at: float = 0.0  # local clock (time.time) of the last applied batch or snapshot
+    last_snapshot_at: float = -1e9  # monotonic time of the last snapshot request
+    last_event_at: float = 0.0  # local clock (time.time) of the last snapshot or batch with events
     batches: int = 0
 
 
@@ -77,11 +85,16 @@ class EventSubscriber:
         snapshot_timeout_s: how long to wait for a snapshot before asking again.
         max_payload_bytes: larger messages are dropped (and counted).
         clock: wall clock in seconds (batch ``ts`` is the relay's wall clock).
+        block_size: the router's block size in tokens; a relay whose snapshot
+            says another is never synced (its keys could not match), and is
+            counted in ``errors_block_size``.  None accepts any.
     """
 
     def __init__(self, index: BlockIndex, lock: threading.Lock, snapshot_timeout_s: float = 2.0,
-                 max_payload_bytes: int = 256 * 1024 * 1024, clock: Callable[[], float] = time.time):
+                 max_payload_bytes: int = 256 * 1024 * 1024, clock: Callable[[], float] = time.time,
+                 block_size: int | None = None):
         self.index = index
+        self.block_size = block_size
         self.lock = lock
         self.snapshot_timeout_s = snapshot_timeout_s
         self.max_payload_bytes = max_payload_bytes
@@ -91,8 +104,11 @@ class EventSubscriber:
         self.max_lag_s = 0.0
         self._ctx = zmq.Context.instance()
         self._sources: dict[str, _Source] = {}  # owned by the thread
-        self._followed: dict[str, tuple[str, str]] = {}  # replica -> (events, snapshot); under self.lock
+        # replica -> (events, snapshot, generation), changed under self.lock
+        self._followed: dict[str, tuple[str, str, int]] = {}
+        self._generation = 0
         self._synced: set[str] = set()
+        self._unsynced_since: dict[str, float] = {}  # replica -> monotonic time it was followed or lost sync
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._heartbeat = time.monotonic()
@@ -104,14 +120,17 @@ class EventSubscriber:
 
     def set_replica(self, replica_id: str, events_endpoint: str, snapshot_endpoint: str) -> None:
         """Follow ``replica_id``'s relay (again, from a snapshot, if its endpoints changed)."""
-        endpoints = (events_endpoint, snapshot_endpoint)
-        if self._followed.get(replica_id) == endpoints:  # the hot path: no change, no lock
-            return
+        current = self._followed.get(replica_id)
+        if current is not None and current[0] == events_endpoint and current[1] == snapshot_endpoint:
+            return  # the hot path: no change, no lock
         with self.lock:
-            if self._followed.get(replica_id) == endpoints:
+            current = self._followed.get(replica_id)
+            if current is not None and current[:2] == (events_endpoint, snapshot_endpoint):
                 return
-            self._followed[replica_id] = endpoints
+            self._generation += 1
+            self._followed[replica_id] = (events_endpoint, snapshot_endpoint, self._generation)
             self._synced.discard(replica_id)
+            self._unsynced_since[replica_id] = time.monotonic()
             self.index.add_replica(replica_id)
         self._changed.set()
 
@@ -120,6 +139,7 @@ class EventSubscriber:
         with self.lock:
             self._followed.pop(replica_id, None)
             self._synced.discard(replica_id)
+            self._unsynced_since.pop(replica_id, None)
             self.index.remove_replica(replica_id)
         self._changed.set()
 
@@ -135,6 +155,13 @@ class EventSubscriber:
     def synced(self, replica_id: str) -> bool:
         """True once the replica's snapshot is applied and its live stream follows it."""
         return replica_id in self._synced
+
+    def awaiting_snapshot(self, replica_id: str, budget_s: float) -> bool:
+        """True if the replica is followed, not synced, and lost sync (or was followed)
+        less than ``budget_s`` seconds ago: worth waiting for. A replica out of sync
+        for longer is not (its relay may be dead or unreachable)."""
+        since = self._unsynced_since.get(replica_id)
+        return since is not None and replica_id not in self._synced and time.monotonic() - since < budget_s
 
     def last_event_at(self, replica_id: str) -> float | None:
         """Local time of the replica's last applied batch or snapshot, None if none yet."""
@@ -205,8 +232,7 @@ class EventSubscriber:
                 poller.register(src.sub, zmq.POLLIN)
                 if src.snap is not None:
                     poller.register(src.snap, zmq.POLLIN)
-                elif not src.synced and time.monotonic() >= src.snap_not_before:
-                    self._request_snapshot(src)
+                elif not src.synced and time.monotonic() >= src.snap_not_before and self._request_snapshot(src):
                     poller.register(src.snap, zmq.POLLIN)
             if not self._sources:
                 self._changed.wait(0.05)
@@ -235,31 +261,56 @@ class EventSubscriber:
             wanted = dict(self._followed)
         for rid in list(self._sources):
             src = self._sources[rid]
-            if wanted.get(rid) != (src.events_endpoint, src.snapshot_endpoint):
+            if wanted.get(rid) != (src.events_endpoint, src.snapshot_endpoint, src.generation):
                 self._close(src)
                 del self._sources[rid]
-        for rid, (events, snapshot) in wanted.items():
+        for rid, (events, snapshot, generation) in wanted.items():
             if rid in self._sources:
                 continue
-            src = _Source(rid, events, snapshot)
-            src.sub = self._ctx.socket(zmq.SUB)
-            src.sub.setsockopt(zmq.SUBSCRIBE, b"")
-            src.sub.setsockopt(zmq.RCVHWM, 100_000)
-            src.sub.setsockopt(zmq.LINGER, 0)
-            src.sub.connect(events)
+            src = _Source(rid, events, snapshot, generation)
+            try:
+                src.sub = self._socket(zmq.SUB, events)
+                src.sub.setsockopt(zmq.SUBSCRIBE, b"")
+            except zmq.ZMQError as e:  # a malformed endpoint costs its replica, not the others
+                self.stats["errors_endpoint"] += 1
+                logger.warning("cannot follow the KV-event relay of %s at %r: %s", rid, events, e)
+                self._close(src)
+                continue
             self._sources[rid] = src
             logger.info("following the KV-event relay of %s at %s", rid, events)
 
+    def _socket(self, kind: int, endpoint: str) -> zmq.Socket:
+        """A socket of ``kind`` connected to ``endpoint`` (IPv6 allowed); closed again if that fails."""
+        sock = self._ctx.socket(kind)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, 1)
+            if kind == zmq.SUB:
+                sock.setsockopt(zmq.RCVHWM, 100_000)
+            sock.connect(endpoint)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        return sock
+
     # ------------------------------------------------------------------ snapshots
 
-    def _request_snapshot(self, src: _Source) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(src.snapshot_endpoint)
+    def _request_snapshot(self, src: _Source) -> bool:
+        """Ask the relay for a snapshot; False (counted, retried later) if the endpoint is unusable."""
+        try:
+            sock = self._socket(zmq.DEALER, src.snapshot_endpoint)
+        except zmq.ZMQError as e:
+            self.stats["errors_endpoint"] += 1
+            logger.warning("cannot ask %s for a snapshot at %r: %s", src.replica_id, src.snapshot_endpoint, e)
+            self._snapshot_failed(src)
+            return False
         sock.send(SNAPSHOT_REQUEST)
         src.snap = sock
-        src.snap_deadline = time.monotonic() + self.snapshot_timeout_s
+        now = time.monotonic()
+        src.snap_deadline = now + self.snapshot_timeout_s
+        src.last_snapshot_at = now
         self.stats["snapshot_requests"] += 1
+        return True
 
     def _snapshot_failed(self, src: _Source) -> None:
         if src.snap is not None:
@@ -283,30 +334,47 @@ class EventSubscriber:
             logger.warning("bad KV-event snapshot from %s: %s", src.replica_id, e)
             self._snapshot_failed(src)
             return
+        if self.block_size is not None and snap.block_size != self.block_size:
+            self.stats["errors_block_size"] += 1
+            logger.error("the KV-event relay of %s keys blocks of %d tokens, this router %d: not synced",
+                         src.replica_id, snap.block_size, self.block_size)
+            self._snapshot_failed(src)
+            return
         with self.lock:
             if not self._still_followed(src):
                 return
             self.index.load_snapshot(src.replica_id, snap.keys)
             self._synced.add(src.replica_id)
+            self._unsynced_since.pop(src.replica_id, None)
         self.stats["snapshots"] += 1
-        src.snap_backoff = 0.1
         src.epoch, src.seq, src.synced = snap.epoch, snap.seq, True
         src.last_event_at = self.clock()
         src.batches += 1
         kept, src.buffer = src.buffer, []
         for seq, batch in sorted(kept, key=lambda item: item[0]):
+            if batch.epoch != snap.epoch:  # from before the relay restarted: the snapshot covers it
+                self.stats["stale_epoch_batches"] += 1
+                continue
             self._live(src, seq, batch)
 
     def _resync(self, src: _Source, keep: tuple[int, KeyEventBatch] | None = None) -> None:
-        """Ask for a new snapshot; live batches are kept until it comes."""
+        """Ask for a new snapshot; live batches are kept until it comes.
+
+        Not sooner than ``snap_backoff`` after the last request: it doubles (2 s
+        at most) while the replica keeps losing sync, and is reset by a live
+        batch applied in order.
+        """
         src.synced = False
         with self.lock:
             self._synced.discard(src.replica_id)
+            self._unsynced_since.setdefault(src.replica_id, time.monotonic())
         src.buffer = [keep] if keep is not None else []
+        src.snap_not_before = src.last_snapshot_at + src.snap_backoff
+        src.snap_backoff = min(2.0, src.snap_backoff * 2)
 
     def _still_followed(self, src: _Source) -> bool:
-        """Under ``lock``: is ``src`` still the followed relay of its replica?"""
-        if self._followed.get(src.replica_id) == (src.events_endpoint, src.snapshot_endpoint):
+        """Under ``lock``: is ``src`` still the followed relay (and follow generation) of its replica?"""
+        if self._followed.get(src.replica_id) == (src.events_endpoint, src.snapshot_endpoint, src.generation):
             return True
         self.stats["errors_unfollowed_replica"] += 1
         return False
@@ -353,8 +421,10 @@ class EventSubscriber:
                 return
             self.index.apply_keys(src.replica_id, batch.events)
         src.seq = seq
+        src.snap_backoff = 0.1
         now = self.clock()
-        src.last_event_at = now
+        if batch.events:  # heartbeats say the relay is up, not that the engine's events flow
+            src.last_event_at = now
         src.batches += 1
         self.stats["batches"] += 1
         self.stats["events"] += len(batch.events)

@@ -427,3 +427,28 @@ def test_reentrant_or_odd_callers_cannot_corrupt_the_table() -> None:
 
     tokens = array("I", range(12))
     assert chain_keys(resizing, tokens, 4, 0, b"") == chain_keys(xxhash.xxh3_64_intdigest, tokens, 4, 0, b"")
+
+
+def test_add_holds_its_own_reference_to_the_bit_while_masks_change_under_it() -> None:
+    """Found in review: a key's __eq__ run by add's dict call could clear ``masks`` and
+    free the interned bit add was still inserting (use after free)."""
+    from routing._blocktable import Predictions
+
+    big, other = 1 << 100, 1 << 101
+
+    class ClearsMasks:
+        def __hash__(self):
+            return hash(other | big)  # collides with the mask or_bit interns for key 1
+
+        def __eq__(self, _):
+            masks.clear()
+            return False
+
+    table = BlockTable()
+    table[1] = other  # key 1 held by another replica: add takes the or_bit path there
+    interned = int(str(big))
+    masks = {interned: interned, ClearsMasks(): 0}
+    del interned
+    assert table.add(Predictions(), [1, 2, 3, 4], int(str(big)), 0, masks) == (4, 0, 0)
+    _ = [int(str(1 << (90 + i))) for i in range(1000)]  # reuse freed memory, if any was freed
+    assert [table[k] for k in (2, 3, 4)] == [big] * 3 and table[1] == other | big

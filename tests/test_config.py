@@ -211,3 +211,19 @@ def test_serving_args_match_vllms_flags():
     parser = make_arg_parser(FlexibleArgumentParser())
     dests = {a.dest for a in parser._actions}
     assert set(ServingConfig.model_fields) <= dests, set(ServingConfig.model_fields) - dests
+
+
+@pytest.mark.parametrize("knob", ["load_factor", "busy_cluster_weight", "uncached_weight", "predicted_ttl_s"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_non_finite_router_knobs_fail_the_build(knob, value):
+    from app.builder import build_app
+
+    args = _app_entry(REPO / "serve_config.yaml")["args"]
+    args["router"][knob] = value
+    with pytest.raises(ValueError, match=f"router.{knob}"):
+        build_app(args)
+
+
+def test_a_home_of_no_such_user_is_a_missing_path_not_a_crash():
+    with pytest.raises(ValueError, match="model: path '~nosuchuser-prefix-serve/x' does not exist"):
+        parse_app_args({"model": "~nosuchuser-prefix-serve/x"})

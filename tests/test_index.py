@@ -405,3 +405,15 @@ def test_match_across_walk_chunks(held) -> None:
         idx.apply_event("r0", removed(1070))
         assert idx.match(keys, R, 0.0)["r0"] == 70
     assert idx.match(keys[:0], R, 0.0) == dict.fromkeys(R, 0)
+
+
+def test_keys_stored_names_the_parent_of_its_first_new_key() -> None:
+    """Blocks stored again (extra physical copies) are not announced; the parent named is
+    the key before the first announced one."""
+    relay = KeyRelay(BS)
+    relay.apply([stored([1, 2], TOKS[:8])])
+    (ev,) = relay.apply([stored([2, 3], TOKS[4:12], parent=1)])  # block 1 again, then block 2
+    assert ev.parent == KEYS[1] and ev.keys == keys_to_bytes(KEYS[2:3])
+    assert relay.apply([stored([9], TOKS[:4])]) == []  # block 0 under another engine hash: no new key
+    (ev,) = relay.apply([stored([4], TOKS[12:16], parent=3)])
+    assert ev.parent == KEYS[2] and ev.keys == keys_to_bytes(KEYS[3:4])

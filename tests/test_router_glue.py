@@ -117,9 +117,57 @@ async def test_readiness_names_what_is_missing(routers):
     router = routers(block_size=32)
     ready, detail = router.readiness()
     assert not ready and detail["reason"] == "no engine replica is running yet"
-    router.update_replicas([replica("a", {STAT_READY: False}), replica("b", {STAT_READY: True})])
+    router.update_replicas([replica("a", {STAT_READY: False}), replica("b", {STAT_READY: False})])
     ready, detail = router.readiness()
-    assert not ready and detail["reason"].startswith("1 of 2 engine replicas are not warmed up")
-    router.update_replicas([replica("a", {STAT_READY: True}), replica("b", {STAT_READY: True})])
+    assert not ready and detail["reason"] == "none of 2 engine replicas is warmed up yet"
+    assert detail["not_serving"] == {"a": "not warmed up yet", "b": "not warmed up yet"}
+    router.update_replicas([replica("a", {STAT_READY: True}), replica("b", {STAT_READY: False})])
     ready, detail = router.readiness()  # no relay endpoints in the stats: nothing followed, nothing synced
-    assert not ready and "snapshots are not applied" in detail["reason"] and detail["synced_replicas"] == 0
+    assert not ready and "snapshot is applied" in detail["reason"] and detail["synced_replicas"] == 0
+    assert detail["not_serving"] == {"a": "block snapshot not applied yet", "b": "not warmed up yet"}
+
+
+@on_loop
+async def test_a_dead_relay_delays_requests_only_within_its_wait_budget(routers, monkeypatch):
+    """A followed replica whose relay never answers is waited for once, not on every request."""
+    import time
+
+    import app.router
+    from app.protocol import STAT_EVENTS_ENDPOINT, STAT_SNAPSHOT_ENDPOINT
+
+    monkeypatch.setattr(app.router, "SNAPSHOT_WAIT_S", 0.5)
+    router = routers(block_size=32)
+    nobody = "tcp://127.0.0.1:9"  # nothing listens: the snapshot never comes
+    dead = replica("a", {STAT_EVENTS_ENDPOINT: nobody, STAT_SNAPSHOT_ENDPOINT: nobody})
+    took = []
+    for i in range(3):
+        t0 = time.monotonic()
+        ranked = await router.choose_replicas([dead, replica("b")], pending(engine_request(), f"i-{i}"))
+        took.append(time.monotonic() - t0)
+        assert ranked
+    assert 0.4 <= took[0] < 1.5 and max(took[1:]) < 0.2, took
+    assert not router.subscriber.synced("a")
+
+
+@on_loop
+async def test_one_serving_replica_makes_the_router_ready(routers):
+    """Readiness gates a whole ingress: one warmed-up, synced engine is enough to serve."""
+    import time
+
+    from app.protocol import STAT_EVENTS_ENDPOINT, STAT_READY, STAT_SNAPSHOT_ENDPOINT
+    from routing.relay_server import RelayServer
+
+    relay = RelayServer("tcp://127.0.0.1:9", None, 32)  # no engine events: its snapshot is empty
+    try:
+        router = routers(block_size=32)
+        live = {STAT_READY: True, STAT_EVENTS_ENDPOINT: relay.events_endpoint,
+                STAT_SNAPSHOT_ENDPOINT: relay.snapshot_endpoint}
+        router.update_replicas([replica("a", live), replica("b", {STAT_READY: False})])
+        deadline = time.monotonic() + 10
+        while not router.subscriber.synced("a") and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        ready, detail = router.readiness()
+        assert ready and "reason" not in detail, detail
+        assert detail["serving_replicas"] == 1 and detail["not_serving"] == {"b": "not warmed up yet"}
+    finally:
+        relay.close()

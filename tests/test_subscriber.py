@@ -507,3 +507,111 @@ def test_relay_survives_an_exception_applying_a_batch(ingest, raw, relay, monkey
     raw.send(1, payload([stored(kept, [3, 4])]))
     wait_for(lambda: held(index, lock, kept) == 2)
     assert relay.stats["apply_errors"] == 1 and held(index, lock, lost) == 0 and relay.alive()
+
+
+# ------------------------------------------------------------------ review regressions
+
+
+def test_batches_of_an_old_epoch_kept_during_a_snapshot_do_not_start_a_snapshot_storm(ingest, fake_relay):
+    """A kept batch of the relay's old epoch made every new-epoch snapshot end in a resync
+    that kept the same batch: thousands of snapshots a second, never synced."""
+    index, lock, sub = ingest
+    a, b = chain(40, 3), chain(41, 2)
+    fake_relay.seq, fake_relay.keys = 0, keys_of(a)
+    follow(sub, fake_relay)
+    fake_relay.epoch, fake_relay.seq, fake_relay.keys = 2, -1, keys_of(b)  # the relay restarted meanwhile
+    fake_relay.publish(2, [KeysStored(None, keys_to_bytes(keys_of(a)))], epoch=1)  # a gap, in the old epoch
+    wait_for(lambda: sub.stats["snapshots"] == 2 and sub.synced(RID))
+    time.sleep(1.0)
+    assert sub.synced(RID) and fake_relay.requests == 2 and sub.stats["stale_epoch_batches"] == 1
+    assert held(index, lock, b) == 2 and held(index, lock, a) == 0
+
+
+def test_unfollowing_and_following_again_at_once_starts_over_from_a_snapshot(ingest, fake_relay):
+    index, lock, sub = ingest
+    a, b = chain(42, 3), chain(43, 2)
+    fake_relay.seq, fake_relay.keys = 0, keys_of(a)
+    follow(sub, fake_relay)
+    sub.remove_replica(RID)  # e.g. one stats poll without endpoints, then the next with them
+    sub.set_replica(RID, fake_relay.events_endpoint, fake_relay.snapshot_endpoint)
+    wait_for(lambda: sub.synced(RID) and fake_relay.requests == 2)
+    assert held(index, lock, a) == 3
+    time.sleep(0.2)
+    fake_relay.seq, fake_relay.keys = 1, keys_of(a) + keys_of(b)
+    fake_relay.publish(1, [KeysStored(None, keys_to_bytes(keys_of(b)))])
+    wait_for(lambda: held(index, lock, b) == 2)
+    with lock:
+        assert index.replica_blocks(RID) == 5
+
+
+@pytest.mark.parametrize("endpoint", ["garbage", "tcp://host-without-port"])
+def test_a_malformed_endpoint_costs_only_its_replica(ingest, fake_relay, endpoint):
+    index, lock, sub = ingest
+    tokens = chain(44, 2)
+    fake_relay.seq, fake_relay.keys = 0, keys_of(tokens)
+    sub.set_replica("bad-events", endpoint, fake_relay.snapshot_endpoint)
+    sub.set_replica("bad-snapshot", fake_relay.events_endpoint, endpoint)
+    follow(sub, fake_relay)
+    time.sleep(1.0)
+    assert sub.synced(RID) and held(index, lock, tokens) == 2
+    assert sub.stats["loop_restarts"] == 0 and sub.stats["errors_endpoint"] >= 2
+    assert not sub.synced("bad-events") and not sub.synced("bad-snapshot")
+
+
+def test_heartbeats_do_not_count_as_engine_events(ingest, fake_relay):
+    """The stale-events guard needs to know when the engine's events last flowed, not the relay's heartbeat."""
+    index, lock, sub = ingest
+    follow(sub, fake_relay)
+    first = sub.last_event_at(RID)
+    fake_relay.publish(0, [])  # a heartbeat
+    wait_for(lambda: sub.stats["batches"] == 1)
+    assert sub.last_event_at(RID) == first
+    fake_relay.publish(1, [KeysStored(None, keys_to_bytes(keys_of(chain(45, 1))))])
+    wait_for(lambda: sub.last_event_at(RID) > first)
+
+
+def test_a_relay_loop_failure_keeps_what_the_relay_knows(ingest, raw, relay, monkeypatch):
+    """A socket-level failure restarts the relay's loop with its state: blocks cached before it stay routable."""
+    index, lock, sub = ingest
+    follow(sub, relay)
+    before = chain(46, 3)
+    raw.send(0, payload([stored(before, [1, 2, 3])]))
+    wait_for(lambda: held(index, lock, before) == 3)
+    real = relay._answer_snapshots
+    failures = iter([zmq.ZMQError(zmq.EFAULT, "injected")])
+
+    def flaky():
+        for exc in failures:
+            raise exc
+        return real()
+
+    monkeypatch.setattr(relay, "_answer_snapshots", flaky)
+    sub.remove_replica(RID)
+    follow(sub, relay)  # its snapshot request meets the failure, then the restarted loop answers
+    after = chain(47, 1)
+    raw.send(1, payload([stored(after, [4])]))
+    wait_for(lambda: held(index, lock, after) == 1)
+    assert relay.stats["loop_restarts"] == 1 and relay.stats["replay_failures"] == 0
+    assert held(index, lock, before) == 3 and len(relay.relay) == 4
+
+
+def test_relay_binds_on_ipv6(ingest, raw):
+    probe = zmq.Context.instance().socket(zmq.PUB)
+    probe.setsockopt(zmq.IPV6, 1)
+    try:
+        probe.bind_to_random_port("tcp://[::1]")
+    except zmq.ZMQError:
+        pytest.skip("no IPv6 loopback here")
+    finally:
+        probe.close(linger=0)
+    index, lock, sub = ingest
+    relay = RelayServer(raw.endpoint, raw.replay_endpoint, BS, bind_host="::1")
+    try:
+        assert relay.events_endpoint.startswith("tcp://[::1]:")
+        follow(sub, relay)
+        time.sleep(0.3)
+        tokens = chain(48, 2)
+        raw.send(0, payload([stored(tokens, [1, 2])]))
+        wait_for(lambda: held(index, lock, tokens) == 2)
+    finally:
+        relay.close()
