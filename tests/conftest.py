@@ -54,6 +54,7 @@ class RunningApp:
         self.entry = entry or {}
         self.base_url = BASE_URL
         self.model = args.get("served_model_name", "tiny-qwen2")
+        self.ready_log: list[tuple[str, int, str]] = []  # (engine deployment status, /ready status, error type)
 
     def openai(self):
         from openai import OpenAI
@@ -82,8 +83,9 @@ def start_app(arg_overrides: dict[str, Any] | None = None, name: str = "prefix-s
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
              _node_ip_address="127.0.0.1")
     deploy(entry)
-    _wait_ready(name)
-    return RunningApp(name, entry["args"], entry)
+    app = RunningApp(name, entry["args"], entry)
+    _wait_ready(name, app.ready_log)
+    return app
 
 
 def engine_deployment(entry: dict[str, Any]) -> dict[str, Any]:
@@ -112,26 +114,36 @@ def deploy(entry: dict[str, Any]) -> None:
     client.deploy_apps(config, _blocking=False)
 
 
-def _wait_ready(name: str, timeout_s: float = 600.0) -> None:
-    """Wait until the app is RUNNING and its readiness route answers 200 (engines
-    warmed up, the ingress's router subscribed with every snapshot applied)."""
+def _wait_ready(name: str, log: list[tuple[str, int, str]] | None = None, timeout_s: float = 600.0) -> None:
+    """Wait until the app is RUNNING and its readiness route answers 200 (an engine
+    warmed up, the ingress's router subscribed with its snapshot applied).
+
+    ``/ready`` is polled from the deploy on; each answer is appended to ``log`` as
+    ``(engine deployment status, HTTP status (0: no answer), error type)``.
+    """
     from ray import serve
 
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline:
         status = serve.status().applications.get(name)
-        if status is not None and status.status == "RUNNING":
-            try:
-                r = httpx.get(f"{BASE_URL}/ready", timeout=10)
-                if r.status_code == 200:
-                    return
-                last = r.text
-            except httpx.HTTPError as e:
-                last = repr(e)
+        engine = status.deployments.get("VLLMEngine") if status is not None else None
+        engine_status = str(getattr(engine, "status", "NONE")).rsplit(".", 1)[-1]
+        code, err_type = 0, ""
+        try:
+            r = httpx.get(f"{BASE_URL}/ready", timeout=10)
+            code, last = r.status_code, r.text
+            if code == 503:
+                err_type = r.json().get("error", {}).get("type", "")
+        except (httpx.HTTPError, ValueError) as e:
+            last = repr(e)
+        if log is not None:
+            log.append((engine_status, code, err_type))
+        if code == 200 and status is not None and status.status == "RUNNING":
+            return
         if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
             raise RuntimeError(f"app {name} failed: {status.message}")
-        time.sleep(1.0)
+        time.sleep(0.5)
     raise TimeoutError(f"app {name} not ready after {timeout_s} s: {last}")
 
 

@@ -41,6 +41,15 @@ def test_first_request_may_be_a_two_token_prompt(app):
         assert r.json()["usage"]["prompt_tokens"] == len(prompt)
 
 
+def test_ready_fails_until_the_engine_serves(app):
+    """Polled from the deploy on (``start_app``): while the engine deployment was not yet
+    running, /ready never said 200, and the ingress answered 503 ServiceUnavailableError."""
+    log = app.ready_log
+    assert log and log[-1][1] == 200 and log[-1][0] == "HEALTHY"
+    assert all(code != 200 for engine, code, _ in log if engine != "HEALTHY"), log
+    assert any(code == 503 and err == "ServiceUnavailableError" for _, code, err in log), log
+
+
 def test_ready_turns_200_once_engines_and_routers_are_ready(app):
     """GET /ready: 503 (OpenAI error, ServiceUnavailableError) while anything is missing,
     200 once the engine is warmed up and the ingress's router has applied its snapshot;
