@@ -234,7 +234,7 @@ def test_grafana_dashboard_references_only_exported_series(app, prometheus):
     targets = httpx.get(f"{app.base_url}/metrics/engines", headers=AUTH, timeout=10).json()
     assert targets and targets[0]["targets"]
     exported |= _families(httpx.get(f"http://{targets[0]['targets'][0]}/metrics", timeout=10).text)
-    functions = {"sum", "rate", "max", "by", "histogram_quantile", "le", "replica", "reason", "cause", "kind", "route", "status"}
+    functions = {"sum", "rate", "max", "min", "by", "histogram_quantile", "le", "replica", "reason", "cause", "kind", "route", "status"}
     for panel in dash["panels"]:
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
