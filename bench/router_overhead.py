@@ -524,11 +524,14 @@ def _percentile(sorted_ns: list[int], q: float) -> float:
     return round(sorted_ns[min(len(sorted_ns) - 1, int(q * len(sorted_ns)))] / 1000, 1)
 
 
-def prompts(docs: Sequence[Sequence[int]], prompt_len: int, count: int, seed: int) -> Iterator[list[int]]:
+def prompts(docs: Sequence[Sequence[int]], prompt_len: int, count: int, seed: int) -> Iterator[array]:
     """``count`` prompts of ``prompt_len`` tokens: a stored document that fits, then fresh tokens.
 
     The same ``seed`` gives the same prompts (ours and Dynamo's lookups use it
-    so); a list each, turned into a new ``array('I')`` by the caller.
+    so); an ``array('I')`` each, copied into a new one by the caller.  Arrays,
+    not lists: the garbage collector does not traverse them, so prompts waiting
+    their turn do not make every collection inside a timed lookup walk 8k-element
+    lists (the ingress hands the router an ``array('I')`` too).
     """
     rng = random.Random(seed)
     draw = np.random.default_rng(seed)
@@ -537,7 +540,9 @@ def prompts(docs: Sequence[Sequence[int]], prompt_len: int, count: int, seed: in
         raise ValueError(f"no document fits in {prompt_len} tokens")
     for _ in range(count):
         doc = rng.choice(fitting)
-        yield list(doc) + draw.integers(0, VOCAB, prompt_len - len(doc), dtype=np.uint32).tolist()
+        prompt = array("I", doc)
+        prompt.frombytes(draw.integers(0, VOCAB, prompt_len - len(doc), dtype=np.uint32).tobytes())
+        yield prompt
 
 
 def bench_lookup(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: int, prompt_len: int, n: int,
