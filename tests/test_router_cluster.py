@@ -202,11 +202,16 @@ def test_restarted_ingress_sends_every_prefix_back_to_its_holder(app):
         except (httpx.HTTPError, AssertionError, KeyError, ValueError):
             pass
         time.sleep(1)
-    ready = wait_ready(app)
+    ready = wait_ready(app)  # one engine serving is enough for /ready; the test waits for both
     assert ready["status"] == "ready"
-    snap = routing(app)
-    assert snap["router_replica_id"] != old and snap["synced"] == sorted(snap["subscribed"])
-    assert snap["events"]["snapshots"] >= 2
+    deadline = time.monotonic() + 30
+    while True:
+        snap = routing(app)
+        if len(snap["subscribed"]) == 2 and snap["synced"] == sorted(snap["subscribed"]):
+            break
+        assert time.monotonic() < deadline, f"the new router never synced both engines: {snap}"
+        time.sleep(0.2)
+    assert snap["router_replica_id"] != old and snap["events"]["snapshots"] >= 2
     full = (1024 - 1) // BLOCK * BLOCK  # hits stop one token short of the prompt
     for i, prompt in enumerate(WARM):
         out = complete(app, prompt)
