@@ -164,7 +164,8 @@ class EventSubscriber:
         return since is not None and replica_id not in self._synced and time.monotonic() - since < budget_s
 
     def last_event_at(self, replica_id: str) -> float | None:
-        """Local time of the replica's last applied batch or snapshot, None if none yet."""
+        """Local time of the replica's last snapshot or applied batch with events (heartbeats
+        do not count: they say the relay is up, not that the engine's events flow), None if none yet."""
         src = self._sources.get(replica_id)
         return src.last_event_at if src is not None and src.batches else None
 
@@ -211,6 +212,9 @@ class EventSubscriber:
             self._close(src)
         self._sources = {}
         with self.lock:
+            now = time.monotonic()
+            for rid in self._synced:  # they re-sync from a snapshot: worth waiting for again
+                self._unsynced_since.setdefault(rid, now)
             self._synced.clear()
 
     @staticmethod
