@@ -181,7 +181,7 @@ def test_router_starting_late_gets_every_block_from_the_snapshot(ingest, monkeyp
     try:
         cfg = pub.get_publisher_config()
         relay = RelayServer(cfg.endpoint, cfg.replay_endpoint, BS)
-        time.sleep(0.3)
+        time.sleep(1.0)  # the relay's subscription is up before seq 0: its ring holds only 10 steps
         tokens = chain(1, 4)
         others = [chain(100 + i, 2) for i in range(20)]
         for seq in range(20):
