@@ -138,9 +138,6 @@ class BlockIndex:
         """Ids of the replicas the index follows."""
         return list(self._replicas)
 
-    def has_replica(self, replica_id: str) -> bool:
-        return replica_id in self._replicas
-
     def add_replica(self, replica_id: str) -> None:
         """Follow ``replica_id`` (holding nothing yet); a no-op if it is followed."""
         if replica_id in self._replicas:

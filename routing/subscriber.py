@@ -148,10 +148,6 @@ class EventSubscriber:
         with self.lock:
             return {rid: ep[0] for rid, ep in self._followed.items()}
 
-    def following(self, replica_id: str) -> bool:
-        """True while ``replica_id`` is followed (from ``set_replica`` to ``remove_replica``)."""
-        return replica_id in self._followed
-
     def synced(self, replica_id: str) -> bool:
         """True once the replica's snapshot is applied and its live stream follows it."""
         return replica_id in self._synced
