@@ -153,6 +153,29 @@ class StreamResult:
     error: Exception | None = None
 
 
+def _sse_lines(response: requests.Response):
+    """The response body's lines (without line ends) as their bytes arrive, whatever the framing.
+
+    ``iter_lines(chunk_size=None)`` yields a chunked body chunk by chunk, but reads a
+    close-delimited one (no ``Content-Length``, no chunked encoding: what some
+    gateways send) to its end before yielding anything, which would make TTFT
+    equal the end-to-end time and every ITL 0. ``read1`` returns whatever bytes
+    have arrived, in either framing (urllib3 decodes chunks and compression).
+    """
+    raw = response.raw
+    buffer = b""
+    while True:
+        data = raw.read1(65536)
+        if not data:
+            break
+        buffer += data
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r")
+    if buffer:
+        yield buffer.rstrip(b"\r")
+
+
 def stream_completion(session: requests.Session, url: str, body: dict[str, Any], headers: dict[str, str],
                       timeout_s: float) -> StreamResult:
     """POST ``body`` with ``stream: true`` and read the server-sent events to ``[DONE]``.
@@ -172,7 +195,7 @@ def stream_completion(session: requests.Session, url: str, body: dict[str, Any],
         with session.post(url, json=body, headers=headers, stream=True, timeout=(30.0, timeout_s)) as r:
             if r.status_code != 200:
                 raise LLMError(f"HTTP {r.status_code}: {r.text[:300]}")
-            for raw in r.iter_lines(chunk_size=None):
+            for raw in _sse_lines(r):
                 if not raw or not raw.startswith(b"data:"):
                     continue
                 data = raw[5:].strip()
