@@ -2,6 +2,9 @@
 
 ``build_app(args)`` validates ``args`` with ``app.config.AppArgs`` and returns the
 bound Serve application: ``OpenAIIngress`` in front of ``VLLMEngine`` replicas.
+Both deployments' ``graceful_shutdown_timeout_s`` is ``lifecycle.drain_timeout_s``
+(``request_timeout_s`` + ``drain_margin_s``): a replica stopped by a redeploy or a
+scale-down lets every request the ingress allows finish.
 The engine deployment's request router is ``DEFAULT_ROUTER_CLASS`` with the
 validated ``router:`` block of the args as its kwargs (``block_size`` filled from
 ``engine.block_size``), so a bad router knob fails here, when ``serve run`` builds
@@ -46,6 +49,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     """Return the bound application; raises ``ValueError`` naming every bad arg
     (``router.load_factor: ...``, ``model: path '...' does not exist ...``)."""
     cfg = parse_app_args(args)
+    # Both deployments drain as long as the longest request the ingress lets run
+    # (lifecycle.request_timeout_s, enforced there) plus a margin: a redeploy cuts no stream.
+    drain = cfg.lifecycle.drain_timeout_s
     er = cfg.engine_replicas
     tp = cfg.engine.tensor_parallel_size
     engine_options: dict[str, Any] = dict(
@@ -54,7 +60,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         request_router_config=router_config(kwargs=cfg.router.model_dump()),
         health_check_period_s=10,
         health_check_timeout_s=60,
-        graceful_shutdown_timeout_s=60,
+        graceful_shutdown_timeout_s=drain,
     )
     if tp > 1:
         # One bundle per tensor-parallel worker, packed on one node.
@@ -68,5 +74,6 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     return OpenAIIngress.options(
         num_replicas=ir.num_replicas,
         max_ongoing_requests=ir.max_ongoing_requests,
+        graceful_shutdown_timeout_s=drain,
         ray_actor_options={"num_cpus": ir.num_cpus},
     ).bind(engine, cfg.model_dump())

@@ -128,6 +128,36 @@ class TracingConfig(_Strict):
     file_path: str | None = Field(None, description="JSON-lines file for exporter 'file'")
 
 
+class LifecycleConfig(_Strict):
+    """How long requests may run, how replicas drain, how queued streams stay open.
+
+    The drain times of both deployments (Serve's ``graceful_shutdown_timeout_s``)
+    are derived from ``request_timeout_s`` by ``drain_timeout_s``, so a redeploy or a
+    scale-down lets every request the config allows finish, instead of being kept
+    by hand beside it.
+    """
+
+    request_timeout_s: float = Field(
+        600.0, gt=0.0,
+        description="longest a request may take at the ingress, streams included; past it the ingress "
+                    "cancels it in the engine and answers 504 (a stream ends with a 504 error event)",
+    )
+    drain_margin_s: float = Field(10.0, ge=0.0, description="drain time past request_timeout_s (the last "
+                                                               "request's own wind-down)")
+    stream_keepalive_s: float = Field(
+        10.0, ge=0.0,
+        description="a stream waiting for its first token gets an SSE comment line (': keep-alive') this "
+                    "often, its headers at the latest with the first; 0 = no comments (headers with the "
+                    "engine's acceptance)",
+    )
+
+    @property
+    def drain_timeout_s(self) -> float:
+        """Seconds a replica of either deployment drains on redeploy or scale-down:
+        ``request_timeout_s + drain_margin_s``."""
+        return self.request_timeout_s + self.drain_margin_s
+
+
 class LoRAModule(_Strict):
     """One LoRA adapter, as vLLM's ``--lora-modules name=path``."""
 
@@ -189,6 +219,7 @@ class AppArgs(_Strict):
     engine_replicas: ReplicaConfig = ReplicaConfig(num_replicas=2, num_cpus=0.5)
     ingress_replicas: ReplicaConfig = ReplicaConfig(num_replicas=1, num_cpus=0.25, max_ongoing_requests=256)
     tracing: TracingConfig = TracingConfig()
+    lifecycle: LifecycleConfig = LifecycleConfig()
     api_key_env: str = Field(
         "PREFIX_SERVE_API_KEY",
         description="name of the environment variable holding the bearer API key; unset or empty = no auth",

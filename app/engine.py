@@ -26,6 +26,7 @@ from typing import Any
 
 from ray import serve
 
+from app import metrics_server
 from app import probe as request_probe
 from app import tracing
 from app.config import AppArgs
@@ -42,6 +43,7 @@ from app.protocol import (
     STAT_REPLICA_ID,
     STAT_SNAPSHOT_ENDPOINT,
     STAT_STARTED_AT,
+    Accepted,
     EngineRequest,
     EngineSummary,
     FirstOutput,
@@ -124,42 +126,11 @@ class VLLMEngine:
         self._warmup_lock = asyncio.Lock()
         self._warmup_task: asyncio.Future | None = None
         self._warmup_retry_at = 0.0
-        self.metrics_target = self._start_metrics_server()
+        self.metrics_target = metrics_server.start(os.environ["VLLM_HOST_IP"])
         logger.info(
             "engine replica %s up: KV-event relay on %s, snapshots on %s",
             self.replica_id, self.relay.events_endpoint, self.relay.snapshot_endpoint,
         )
-
-    @staticmethod
-    def _start_metrics_server() -> str:
-        """Serve this process's Prometheus registry (vLLM's ``vllm:*`` metrics) on an
-        ephemeral port of the node IP; returns ``host:port`` for service discovery.
-
-        Always the classic text format (``generate_latest``), as vLLM's own API
-        server does: prometheus-client's negotiated OpenMetrics output would rename
-        ``vllm:x`` to ``vllm_x`` for Prometheus 2.x scrapers.
-        """
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server API
-                body = generate_latest()
-                self.send_response(200 if self.path.startswith("/metrics") else 404)
-                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        host = os.environ["VLLM_HOST_IP"]
-        server = ThreadingHTTPServer((host, 0), Handler)
-        threading.Thread(target=server.serve_forever, name="engine-metrics", daemon=True).start()
-        return f"{host}:{server.server_address[1]}"
 
     async def _warm_up(self) -> None:
         """Load the configured LoRA adapters, then run one 2-block prompt through the
@@ -249,6 +220,7 @@ class VLLMEngine:
                 yield self._summary(probe, result)
                 return
             try:  # a stream: vLLM's SSE strings, the last one "data: [DONE]"
+                yield Accepted(self.replica_id)
                 async for chunk in result:
                     if chunk == _DONE:
                         yield self._summary(probe, chunk)
@@ -318,6 +290,8 @@ class VLLMEngine:
         await self.engine.check_health()
 
     def __del__(self):
+        """Serve's shutdown hook (after the drain): export the last spans, stop the relay and the engine."""
+        tracing.force_flush()
         relay = getattr(self, "relay", None)
         if relay is not None:
             relay.close()

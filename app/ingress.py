@@ -47,6 +47,7 @@ import time
 from array import array
 from collections.abc import AsyncIterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -56,10 +57,12 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app import auth, metrics, tracing
+from app import auth, metrics, metrics_server, tracing
 from app.config import AppArgs
 from app.errors import OpenAIError, error_body, quiet_client_errors
-from app.protocol import EngineRequest, EngineSummary, FirstOutput
+from app.ingress_targets import Announcer
+from app.offload import WorkerLoop
+from app.protocol import Accepted, EngineRequest, EngineSummary, FirstOutput
 
 logger = logging.getLogger("prefix_serve.ingress")
 
@@ -81,7 +84,13 @@ _CHAT, _COMPLETION = "chat", "completions"
 _SPAN_OPERATION = {_CHAT: "chat", _COMPLETION: "text_completion"}
 _ID_PREFIX = {_CHAT: "chatcmpl", _COMPLETION: "cmpl"}  # vLLM's response id prefixes
 _DONE = "data: [DONE]\n\n"
+_KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see bytes flow
+CLIENT_CLOSED = "499"
+"""``status`` label of a request whose client went away before its answer ended (nginx's code)."""
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate
+INLINE_BODY_BYTES = 64 * 1024
+"""HTTP bodies up to this size are parsed, validated and rendered on the serving loop
+(a few ms of CPU at most); larger ones, and handle callers' bodies, on the worker loop."""
 READY_ENGINE_TIMEOUT_S = 2.0
 """How long ``GET /ready`` waits for an engine replica to answer when this process has no router yet."""
 PUBLIC_PATHS = frozenset({"/ready"})
@@ -175,13 +184,35 @@ def _validation_error(e: Exception):
     return err
 
 
-def _validate(model_cls, body: Any):
-    """``body`` as vLLM's request model, or vLLM's ``ErrorResponse`` (400) naming the field."""
+def _decode(raw: bytes):
+    """The JSON object of an HTTP body, or vLLM's ``ErrorResponse`` (400) saying why not.
+
+    Text that is not valid Unicode (a lone surrogate escape) is refused here with
+    its field named (see ``_unencodable``).
+    """
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return _error_response(f"request body is not valid JSON: {e}")
+    if not isinstance(body, dict):
+        return _error_response("request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):  # only a JSON escape can carry a lone surrogate
+        bad = _unencodable(body)
+        if bad is not None:
+            return bad
+    return body
+
+
+def _validate(model_cls, body: Any, text_checked: bool = False):
+    """``body`` as vLLM's request model, or vLLM's ``ErrorResponse`` (400) naming the field.
+
+    ``text_checked``: ``body`` came from ``_decode``, which refused invalid text already.
+    """
     if isinstance(body, model_cls):
         return body
     if not isinstance(body, dict):
         return _error_response("request body must be a JSON object")
-    bad = _unencodable(body)  # HTTP bodies were checked in _read_json; handle callers' dicts here
+    bad = None if text_checked else _unencodable(body)  # a handle caller's dict
     if bad is not None:
         return bad
     try:
@@ -221,6 +252,31 @@ def _is_error_event(chunk: str) -> bool:
     return chunk.startswith('data: {"error"')
 
 
+def _error_event_status(chunk: str) -> str:
+    """The HTTP status an SSE error event stands for (its ``error.code``; 500 if unreadable)."""
+    try:
+        code = json.loads(chunk[len("data: "):])["error"].get("code")
+        return str(int(code)) if code else "500"
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return "500"
+
+
+def _error_event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=True)}\n\n"
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """``_answer``'s first item when the request is valid and goes to an engine: whether it streams."""
+
+    stream: bool
+
+
+def _timeout_error(timeout_s: float) -> OpenAIError:
+    return OpenAIError(f"request timed out after {timeout_s:g} s (lifecycle.request_timeout_s)", 504,
+                       "TimeoutError")
+
+
 async def _awaited(response: Any) -> Any:
     """``await response`` as a coroutine (for ``asyncio.wait_for`` on a Serve ``DeploymentResponse``)."""
     return await response
@@ -238,10 +294,37 @@ class OpenAIIngress:
         self.engine = engine
         self.model_name = self.args.served_model_name
         self.renderer = Renderer(self.args)
+        self.worker = WorkerLoop()  # parsing, validation and rendering run here, off the serving loop
         tracing.setup_tracing(self.args.tracing, "ingress")
-        auth.configure(self.args.api_key_env,
-                       PUBLIC_PATHS | ({"/metrics", "/metrics/engines"} if self.args.metrics_public else set()))
+        auth.configure(self.args.api_key_env, PUBLIC_PATHS | (
+            {"/metrics", "/metrics/engines", "/metrics/ingresses"} if self.args.metrics_public else set()))
+        import ray
+
+        # This replica's own Prometheus endpoint, announced for /metrics/ingresses.
+        ctx = serve.get_replica_context()
+        self.announcer = Announcer(ctx.app_name, ctx.replica_id.unique_id,
+                                   metrics_server.start(ray.util.get_node_ip_address()))
+        try:
+            self.announcer.start()
+        except RuntimeError:  # no event loop here: the first health check starts it
+            pass
         quiet_client_errors()  # a handle caller's 4xx: no traceback in this replica's log
+
+    async def __del__(self):
+        """Serve's shutdown hook, after the drain: export the spans not yet sent (the
+        batch processor would send them up to 500 ms later, after the process is
+        gone), then stop the worker loop."""
+        await asyncio.to_thread(tracing.force_flush)
+        announcer = getattr(self, "announcer", None)
+        if announcer is not None:
+            await announcer.stop()
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.close()
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check: also keeps this replica announced."""
+        self.announcer.start()
 
     # ----------------------------------------------------------------- HTTP routes
 
@@ -363,6 +446,14 @@ class OpenAIIngress:
             targets.update(router.engine_metrics_targets())
         return [{"targets": [hostport], "labels": {"replica": uid}} for uid, hostport in sorted(targets.items())]
 
+    @fastapi_app.get("/metrics/ingresses")
+    async def ingress_metrics_targets(self) -> list[dict[str, Any]]:
+        """Ingress replicas' own metrics endpoints in Prometheus ``http_sd_configs``
+        format, each labelled ``replica`` (``app.ingress_targets``)."""
+        self.announcer.start()
+        targets = await self.announcer.targets()
+        return [{"targets": [hostport], "labels": {"replica": uid}} for uid, hostport in targets.items()]
+
     @fastapi_app.post("/tokenize")
     @fastapi_app.post("/v1/tokenize")
     async def http_tokenize(self, request: Request):
@@ -384,17 +475,22 @@ class OpenAIIngress:
     async def _tokenization(self, request: Request, adapter, method: str):
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-        body = await self._read_json(request)
-        result = None
-        try:
-            req = None if result is not None else adapter.validate_python(body)
-        except Exception as e:  # noqa: BLE001 - pydantic's error, or vLLM's own from a "before" validator
-            result = _validation_error(e)
-        if result is None:
+        raw = await self._read_body(request)
+
+        async def answer():  # on the worker loop: a large body never stalls this one
+            body = _decode(raw)
+            if isinstance(body, ErrorResponse):
+                return body
             try:
-                result = await getattr(self.renderer.tokenization, method)(req, request)
+                req = adapter.validate_python(body)
+            except Exception as e:  # noqa: BLE001 - pydantic's error, or vLLM's own from a "before" validator
+                return _validation_error(e)
+            try:
+                return await getattr(self.renderer.tokenization, method)(req, request)
             except Exception as e:  # noqa: BLE001 - vLLM's server maps every error the same way
-                result = _error_response(e)
+                return _error_response(e)
+
+        result = await (answer() if len(raw) <= INLINE_BODY_BYTES else self.worker.run(answer()))
         status = result.error.code if isinstance(result, ErrorResponse) else 200
         return JSONResponse(result.model_dump(), status_code=status)
 
@@ -407,46 +503,126 @@ class OpenAIIngress:
         return await self._http(request, _COMPLETION, "/v1/completions")
 
     async def _http(self, request: Request, kind: str, route: str):
+        """One HTTP request: vLLM's JSON answer, or its SSE stream.
+
+        Errors found before a stream's headers go out get their own status, as on
+        vLLM's server; once a stream is committed an error ends it with an SSE
+        error event. ``prefix_serve_requests_total{status}`` counts what the client
+        saw: the HTTP status, the error event's code for a stream that ended by
+        one, ``499`` for a client that went away first.
+        """
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         headers = {k: request.headers[k] for k in ("traceparent", "tracestate") if k in request.headers}
+        status = "500"
+        committed = False
         try:
-            body = await self._read_json(request)
-        except OpenAIError as e:
-            metrics.REQUESTS.labels(route=route, status=str(e.status)).inc()
-            raise
-        answer = self._answer(kind, body, headers)
-        try:
+            raw = await self._read_body(request)
+            answer = self._answer(kind, raw, headers)
             first = await answer.__anext__()
-        except Exception:
-            metrics.REQUESTS.labels(route=route, status="500").inc()
-            raise
-        if not isinstance(first, str):  # vLLM's response model or ErrorResponse: no stream
+            if isinstance(first, _Prepared):
+                if first.stream:
+                    committed, response = await self._open_stream(answer, route)
+                    if committed:
+                        return response
+                    first = response
+                else:
+                    first = await answer.__anext__()
             async for _ in answer:  # the engine's summary: metrics and the span
                 pass
-            status = first.error.code if isinstance(first, ErrorResponse) else 200
-            metrics.REQUESTS.labels(route=route, status=str(status)).inc()
-            return JSONResponse(first.model_dump(), status_code=status)
-
-        async def stream() -> AsyncIterator[str]:
-            status = "200"
-            try:
-                if _is_error_event(first):
-                    status = "error_event"
-                yield first
-                async for chunk in answer:
-                    if _is_error_event(chunk):
-                        status = "error_event"
-                    yield chunk
-            except Exception as e:  # the engine replica died mid-stream: end with an error event
-                status = "503"
-                logger.warning("stream ended by error: %s", e)
-                yield f"data: {json.dumps(error_body(f'engine error: {type(e).__name__}', 503))}\n\n"
-                yield _DONE
-            finally:
+            code = first.error.code if isinstance(first, ErrorResponse) else 200
+            status = str(code)
+            return JSONResponse(first.model_dump(), status_code=code)
+        except OpenAIError as e:
+            status = str(e.status)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            status = CLIENT_CLOSED
+            raise
+        finally:
+            if not committed:
                 metrics.REQUESTS.labels(route=route, status=status).inc()
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+    async def _open_stream(self, answer: AsyncIterator[Any], route: str) -> tuple[bool, Any]:
+        """Wait for a valid stream's first news, at most ``lifecycle.stream_keepalive_s``.
+
+        Returns ``(True, StreamingResponse)`` once an engine replica accepted the
+        request, sent its first output, or nothing came in time (the request
+        waits in a queue: the headers go out and keep-alive comments follow);
+        ``(False, ErrorResponse)`` when vLLM's serving layer refused it first (its
+        own status goes out, as on vLLM's server).
+        """
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        keepalive = self.args.lifecycle.stream_keepalive_s or None
+        pending = asyncio.ensure_future(answer.__anext__())
+        try:
+            done, _ = await asyncio.wait({pending}, timeout=keepalive)
+        except BaseException:
+            pending.cancel()
+            raise
+        held = None
+        if done:
+            item = pending.result()  # an error here is the request's: raised before any byte is sent
+            pending = None
+            if isinstance(item, ErrorResponse):
+                return False, item
+            if not isinstance(item, Accepted):
+                held = item
+        return True, StreamingResponse(self._sse(answer, route, pending, held, keepalive),
+                                       media_type="text/event-stream")
+
+    async def _sse(self, answer: AsyncIterator[Any], route: str, pending: asyncio.Future | None,
+                   held: Any, keepalive: float | None) -> AsyncIterator[str]:
+        """The committed stream: keep-alive comments until the first item, then vLLM's SSE strings."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        status = "200"
+        try:
+            if held is None and pending is not None:  # still queued: the first bytes go out with the headers
+                yield _KEEPALIVE
+            while held is None:  # waiting for the first token: comments keep idle-timeout proxies open
+                if pending is None:
+                    pending = asyncio.ensure_future(answer.__anext__())
+                done, _ = await asyncio.wait({pending}, timeout=keepalive)
+                if not done:
+                    yield _KEEPALIVE
+                    continue
+                item, pending = pending.result(), None
+                if not isinstance(item, Accepted):  # a retry on another replica is accepted again
+                    held = item
+            if isinstance(held, ErrorResponse):  # refused by vLLM after the headers went out
+                status = str(held.error.code)
+                yield _error_event(held.model_dump())
+                yield _DONE
+                return
+            if _is_error_event(held):
+                status = _error_event_status(held)
+            yield held
+            async for chunk in answer:
+                if isinstance(chunk, Accepted):
+                    continue
+                if _is_error_event(chunk):
+                    status = _error_event_status(chunk)
+                yield chunk
+        except StopAsyncIteration:  # the answer ended before its first item
+            pass
+        except OpenAIError as e:  # the request's deadline
+            status = str(e.status)
+            yield _error_event(e.body())
+            yield _DONE
+        except (asyncio.CancelledError, GeneratorExit):
+            status = CLIENT_CLOSED
+            raise
+        except Exception as e:  # the engine replica died mid-stream: end with an error event
+            status = "503"
+            logger.warning("stream ended by error: %s", e)
+            yield _error_event(error_body(f"engine error: {type(e).__name__}", 503))
+            yield _DONE
+        finally:
+            if pending is not None:
+                pending.cancel()
+            metrics.REQUESTS.labels(route=route, status=status).inc()
 
     # --------------------------------------------------------- handle-callable API
 
@@ -480,7 +656,8 @@ class OpenAIIngress:
 
         result = None
         async for item in self._answer(kind, body, trace_headers, stream=False):
-            result = item if result is None else result
+            if result is None and not isinstance(item, _Prepared):
+                result = item
         if isinstance(result, ErrorResponse):
             _raise(result)
         return result
@@ -489,6 +666,8 @@ class OpenAIIngress:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         async for item in self._answer(kind, body, trace_headers, stream=True):
+            if isinstance(item, (_Prepared, Accepted)):
+                continue
             if isinstance(item, ErrorResponse):
                 _raise(item)
             data = item[len("data: "):].strip()
@@ -502,18 +681,30 @@ class OpenAIIngress:
 
     async def _answer(self, kind: str, body: Any, trace_headers: dict[str, str] | None,
                       stream: bool | None = None) -> AsyncIterator[Any]:
-        """vLLM's answer to one request: an ``ErrorResponse``, one response model, or
-        SSE strings. ``stream`` overrides the body's ``stream`` (handle methods)."""
+        """vLLM's answer to one request: an ``ErrorResponse``; or ``_Prepared``, then
+        one response model or (a stream) ``Accepted`` and SSE strings.
+
+        ``body``: the raw HTTP body (bytes), or a handle caller's dict or request
+        model; ``stream`` overrides the body's ``stream`` (handle methods). The body
+        is parsed, validated and rendered on the worker loop (``app.offload``) unless
+        it is a small HTTP body (``INLINE_BODY_BYTES``), so a large one never
+        stalls the other requests of this replica, nor waits behind them. Raises
+        ``OpenAIError`` 504 past ``lifecycle.request_timeout_s``.
+        """
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
+        deadline = asyncio.get_running_loop().time() + self.args.lifecycle.request_timeout_s
         with self._span(kind, trace_headers) as span:
-            with self._current(span):
-                prepared = await self._prepare(kind, body, stream)
+            with self._current(span):  # the worker runs in a copy of this context: the span is its parent
+                prepare = self._prepare(kind, body, stream)
+                small = isinstance(body, (bytes, bytearray)) and len(body) <= INLINE_BODY_BYTES
+                prepared = await (prepare if small else self.worker.run(prepare))
             if isinstance(prepared, ErrorResponse):
                 span.set_attribute("error.type", str(prepared.error.code))
                 yield prepared
                 return
-            async for item in self._engine_answer(kind, prepared, span):
+            yield _Prepared(stream=bool(prepared.body.stream))
+            async for item in self._engine_answer(kind, prepared, span, deadline):
                 yield item
 
     async def _prepare(self, kind: str, body: Any, stream: bool | None):
@@ -522,7 +713,12 @@ class OpenAIIngress:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-        req = _validate(ChatCompletionRequest if kind == _CHAT else CompletionRequest, body)
+        text_checked = isinstance(body, (bytes, bytearray))
+        if text_checked:
+            body = _decode(body)
+            if isinstance(body, ErrorResponse):
+                return body
+        req = _validate(ChatCompletionRequest if kind == _CHAT else CompletionRequest, body, text_checked)
         if isinstance(req, ErrorResponse):
             return req
         if stream is not None:
@@ -583,19 +779,28 @@ class OpenAIIngress:
             from pydantic import ValidationError
 
             # Content parts pydantic validates lazily fail here, while rendering.
-            return _validation_error(e) if isinstance(e, ValidationError) else _error_response(e)
+            inputs = _validation_error(e) if isinstance(e, ValidationError) else _error_response(e)
         if isinstance(inputs, ErrorResponse):
+            # What the template or tokenizer refused is the client's text: a 400 naming the field.
+            field = "messages" if kind == _CHAT else "prompt"
+            if inputs.error.code >= 500:
+                return _error_response(f"{field}: could not be rendered: {inputs.error.message}", param=field)
+            if inputs.error.param is None:
+                inputs.error.param = field
             return inputs
         return [list(i.get("prompt_token_ids") or ()) for i in inputs]
 
-    async def _engine_answer(self, kind: str, ereq: EngineRequest, span) -> AsyncIterator[Any]:
+    async def _engine_answer(self, kind: str, ereq: EngineRequest, span, deadline: float) -> AsyncIterator[Any]:
         """vLLM's answer from an engine replica, with TTFT/ITL/E2E and usage recorded."""
         started = time.perf_counter()
         previous: float | None = None
         summary: EngineSummary | None = None
         streaming = bool(ereq.body.stream)
         first_seen = False
-        async for item in self._engine_items(kind, ereq):
+        async for item in self._engine_items(kind, ereq, deadline):
+            if isinstance(item, Accepted):
+                yield item
+                continue
             now = time.perf_counter()
             if isinstance(item, FirstOutput):
                 first_seen = True
@@ -637,24 +842,46 @@ class OpenAIIngress:
             if summary.finish_reasons:
                 span.set_attribute("gen_ai.response.finish_reasons", summary.finish_reasons)
 
-    async def _engine_items(self, kind: str, ereq: EngineRequest) -> AsyncIterator[Any]:
+    async def _engine_items(self, kind: str, ereq: EngineRequest, deadline: float) -> AsyncIterator[Any]:
         """Stream one request's items from an engine replica; resend it on replica
-        loss while nothing of its answer has been passed on."""
+        loss while nothing of its answer has been passed on (``Accepted`` aside).
+
+        At ``deadline`` (event-loop time) the call is cancelled, which aborts the
+        request in the engine, and ``OpenAIError`` 504 is raised.
+        """
         base_id = ereq.request_id
+        loop = asyncio.get_running_loop()
+        timeout_s = self.args.lifecycle.request_timeout_s
         for attempt in range(1, _MAX_ATTEMPTS + 1):
             answered = False
+            gen = getattr(self.engine.options(stream=True), kind).remote(ereq)
+            expired: list[bool] = []
+
+            def expire(gen=gen, expired=expired) -> None:
+                expired.append(True)
+                gen.cancel()
+
+            timer = loop.call_at(deadline, expire)
             try:
-                gen = getattr(self.engine.options(stream=True), kind).remote(ereq)
                 async for item in gen:
-                    answered = True
+                    if not isinstance(item, Accepted):
+                        answered = True
                     yield item
                 return
-            except Exception as e:
+            except BaseException as e:
+                if expired:
+                    task = asyncio.current_task()
+                    if not (isinstance(e, asyncio.CancelledError) and task is not None and task.cancelling()):
+                        raise _timeout_error(timeout_s) from None
+                if not isinstance(e, Exception):
+                    raise
                 if answered or attempt == _MAX_ATTEMPTS or not _caused_by_replica_loss(e):
                     raise
                 logger.warning("engine replica lost before the answer started (%s); attempt %d",
                                type(e).__name__, attempt)
                 ereq.request_id = f"{base_id}~{attempt}"
+            finally:
+                timer.cancel()
 
     @contextmanager
     def _span(self, kind: str, trace_headers: dict[str, str] | None):
@@ -700,7 +927,9 @@ class OpenAIIngress:
         finally:
             otel_context.detach(token)
 
-    async def _read_json(self, request: Request) -> dict[str, Any]:
+    async def _read_body(self, request: Request) -> bytes:
+        """The raw body; ``OpenAIError`` 413 past ``max_request_body_bytes``. Parsing is
+        left to the worker loop (``_decode``)."""
         limit = self.args.max_request_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -708,14 +937,5 @@ class OpenAIIngress:
         raw = await request.body()
         if len(raw) > limit:
             raise OpenAIError(f"request body of {len(raw)} bytes exceeds the limit of {limit} bytes", 413)
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise OpenAIError(f"request body is not valid JSON: {e}", 400) from None
-        if not isinstance(body, dict):
-            raise OpenAIError("request body must be a JSON object", 400)
-        if _SURROGATE_ESCAPE.search(raw):  # only a JSON escape can carry a lone surrogate
-            bad = _unencodable(body)
-            if bad is not None:
-                raise OpenAIError(bad.error.message, 400, bad.error.type, bad.error.param)
-        return body
+        return raw
+

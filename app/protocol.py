@@ -5,8 +5,11 @@ as seen through a Serve ``DeploymentHandle``: vLLM's own request model plus what
 the request router reads to compute the request's block keys (token ids,
 ``cache_salt``, LoRA name). The engine streams back vLLM's answer, untouched:
 SSE strings (``"data: {...}\n\n"``, the last one ``"data: [DONE]\n\n"``) for a
-stream, else one response model, or one ``ErrorResponse``. Two of those items
-come wrapped, so that no extra item crosses between the processes:
+stream, else one response model, or one ``ErrorResponse``. A stream's answer
+starts with ``Accepted`` (vLLM's serving layer validated the request and handed
+it to the engine), so the ingress can send the response headers and keep-alive
+comments while the request waits for its first token. Two of vLLM's items come
+wrapped, so that no other extra item crosses between the processes:
 
 - ``FirstOutput`` wraps the first item sent after the engine produced its first
   output (the prompt is prefilled): the ingress times TTFT and releases the
@@ -71,6 +74,14 @@ class EngineRequest:
     trace_headers: dict[str, str] = field(default_factory=dict)
     block_size: int = 0
     router_error: str | None = None
+
+
+@dataclass(slots=True)
+class Accepted:
+    """vLLM's serving layer accepted a streamed request: it passed vLLM's checks
+    and waits in the engine; its SSE stream follows (no item of it comes with this)."""
+
+    replica_id: str
 
 
 @dataclass(slots=True)

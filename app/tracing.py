@@ -26,6 +26,7 @@ Context crosses process boundaries as W3C trace-context headers carried in
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -153,7 +154,17 @@ def inject(ctx: otel_context.Context | None = None) -> dict[str, str]:
     return carrier
 
 
-def force_flush(timeout_ms: int = 5000) -> None:
+def force_flush(timeout_ms: int = 5000) -> bool:
+    """Export every span this process has ended and not yet sent (the batch
+    processor sends every 500 ms); waits at most ``timeout_ms``. Called by both
+    deployments' Serve shutdown hooks (``__del__``), since a replica's process is
+    ended without running ``atexit``. Returns False if the export did not finish
+    in time; True if it did or tracing is off."""
     provider = _configured.get("provider")
-    if provider is not None:
-        provider.force_flush(timeout_ms)
+    if provider is None:
+        return True
+    try:
+        return bool(provider.force_flush(timeout_ms))
+    except Exception:  # noqa: BLE001 - a failing exporter must not fail a replica's shutdown
+        logging.getLogger("prefix_serve.tracing").exception("span flush at shutdown failed")
+        return False

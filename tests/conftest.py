@@ -84,7 +84,7 @@ def start_app(arg_overrides: dict[str, Any] | None = None, name: str = "prefix-s
              _node_ip_address="127.0.0.1")
     deploy(entry)
     app = RunningApp(name, entry["args"], entry)
-    _wait_ready(name, app.ready_log)
+    wait_ready(name, app.ready_log)
     return app
 
 
@@ -114,7 +114,7 @@ def deploy(entry: dict[str, Any]) -> None:
     client.deploy_apps(config, _blocking=False)
 
 
-def _wait_ready(name: str, log: list[tuple[str, int, str]] | None = None, timeout_s: float = 600.0) -> None:
+def wait_ready(name: str, log: list[tuple[str, int, str]] | None = None, timeout_s: float = 600.0) -> None:
     """Wait until the app is RUNNING and its readiness route answers 200 (an engine
     warmed up, the ingress's router subscribed with its snapshot applied).
 

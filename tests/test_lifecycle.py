@@ -1,0 +1,200 @@
+"""The ingress under a large body, a queued stream, a redeploy and a request past its deadline.
+
+One Serve app for the module (1 real vLLM CPU engine replica taking 2 requests
+at a time, 1 ingress replica, keep-alive comments every second); the redeploy
+case runs last but one, and the deadline case after it, on the redeployed app.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import deploy, start_app, stop_all, wait_ready
+
+pytestmark = pytest.mark.engine
+
+KEEPALIVE_S = 1.0
+TIMEOUT_S = 120.0  # lifecycle.request_timeout_s before the redeploy
+SHORT_TIMEOUT_S = 6.0  # ... and after it
+
+
+@pytest.fixture(scope="module")
+def app():
+    running = start_app({"engine_replicas": {"num_replicas": 1, "max_ongoing_requests": 2},
+                         "lifecycle": {"stream_keepalive_s": KEEPALIVE_S, "request_timeout_s": TIMEOUT_S}})
+    yield running
+    stop_all()
+
+
+def _ttft(app, prompt: str) -> float:
+    """Seconds from sending a streamed completion to its first content event."""
+    body = {"model": app.model, "prompt": prompt, "max_tokens": 2, "stream": True}
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{app.base_url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                return time.perf_counter() - start
+    raise AssertionError("no content event")
+
+
+def _requests_total(app) -> dict[tuple[str, str], float]:
+    text = httpx.get(f"{app.base_url}/metrics", timeout=30).text
+    return {(s.labels["route"], s.labels["status"]): s.value
+            for f in text_string_to_metric_families(text) if f.name == "prefix_serve_requests"
+            for s in f.samples if s.name.endswith("_total")}
+
+
+def _occupy(app) -> list[threading.Thread]:
+    """Two long unary requests: the engine replica (max_ongoing_requests 2) takes no more."""
+    threads = [threading.Thread(target=httpx.post, args=(f"{app.base_url}/v1/completions",), kwargs={
+        "json": {"model": app.model, "prompt": f"busy {i}", "max_tokens": 500, "ignore_eos": True},
+        "timeout": 120}) for i in range(2)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_a_large_body_does_not_stall_other_requests(app):
+    """A 2.6 MiB chat body (52,000 content parts: ~2 s of parsing, validation and
+    rendering) is prepared off the serving loop: a concurrent request's TTFT
+    grows by less than 100 ms."""
+    parts = [{"type": "text", "text": "hi there, my good friend"}] * 52_000
+    big = json.dumps({"model": app.model, "max_tokens": 2,
+                      "messages": [{"role": "user", "content": parts}]}).encode()
+    assert len(big) > 2.6 * 2**20
+    baseline = statistics.median(_ttft(app, f"baseline {i} " * 8) for i in range(7))
+    result: dict[str, httpx.Response] = {}
+
+    def send_big() -> None:
+        result["big"] = httpx.post(f"{app.base_url}/v1/chat/completions", content=big, timeout=120,
+                                   headers={"content-type": "application/json"})
+
+    during = []
+    for attempt in range(3):  # each round: small requests while one big body is being prepared
+        sender = threading.Thread(target=send_big)
+        sender.start()
+        time.sleep(0.15)  # the body is on its way (2.6 MiB over loopback)
+        while sender.is_alive():
+            during.append(_ttft(app, f"during {attempt} {len(during)} " * 8))
+        sender.join()
+        assert result["big"].status_code == 400, result["big"].text  # over the context: vLLM's 400
+    assert len(during) >= 3, during
+    growth = statistics.median(during) - baseline
+    print(f"TTFT baseline {baseline * 1000:.0f} ms, during the large bodies {statistics.median(during) * 1000:.0f} ms "
+          f"(median of {len(during)}), growth {growth * 1000:.0f} ms")
+    assert growth < 0.100
+
+
+def test_a_queued_stream_gets_headers_and_keepalives_until_its_first_token(app):
+    """With the engine busy, a stream waits in the router's queue: its headers go out
+    within a keep-alive period and an SSE comment follows every period, so a proxy
+    with an idle timeout sees bytes; the real ``openai`` client reads it unharmed."""
+    busy = _occupy(app)
+    time.sleep(0.5)
+    body = {"model": app.model, "prompt": "queued", "max_tokens": 3, "stream": True}
+    start = time.perf_counter()
+    arrivals: list[tuple[float, str]] = []
+    with httpx.stream("POST", f"{app.base_url}/v1/completions", json=body, timeout=120) as r:
+        headers_after = time.perf_counter() - start
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line:
+                arrivals.append((time.perf_counter() - start, line))
+    first_data = next(i for i, (_, line) in enumerate(arrivals) if line.startswith("data:"))
+    comments = arrivals[:first_data]
+    assert headers_after < KEEPALIVE_S + 0.75, headers_after
+    assert len(comments) >= 2 and all(line == ": keep-alive" for _, line in comments), arrivals[:5]
+    gaps = [b - a for (a, _), (b, _) in zip([(headers_after, "")] + comments, comments + [arrivals[first_data]])]
+    assert max(gaps) < KEEPALIVE_S + 0.75, gaps
+    assert arrivals[-1][1] == "data: [DONE]"
+    for t in busy:
+        t.join()
+    # The same wait through the real openai client: comments are skipped, the stream parses.
+    busy = _occupy(app)
+    time.sleep(0.5)
+    stream = app.openai().completions.create(model=app.model, prompt="queued again", max_tokens=3, stream=True)
+    texts = [c.choices[0].text for c in stream if c.choices]
+    assert len(texts) == 3
+    for t in busy:
+        t.join()
+
+
+def test_a_redeploy_lets_a_30_s_stream_finish(app):
+    """Redeploying the app (new args: both deployments get new replicas) while a
+    stream runs: the old ingress and engine drain as long as the config's request
+    timeout, so the stream ends with all its tokens."""
+    tokens = 3900  # ~30 s or more at the tiny model's ~130 tokens/s, slower while new replicas start
+    body = {"model": app.model, "prompt": "long", "max_tokens": tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    state: dict = {"chunks": 0}
+
+    def run() -> None:
+        start = time.monotonic()
+        try:
+            with httpx.stream("POST", f"{app.base_url}/v1/completions", json=body, timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        state["chunks"] += 1
+                        event = json.loads(line[6:])
+                        state["error"] = event.get("error", state.get("error"))
+                        state["usage"] = event.get("usage") or state.get("usage")
+                    elif line == "data: [DONE]":
+                        state["done"] = True
+        except httpx.HTTPError as e:
+            state["error"] = repr(e)
+        state["seconds"] = time.monotonic() - start
+
+    stream = threading.Thread(target=run)
+    stream.start()
+    deadline = time.monotonic() + 60
+    while state["chunks"] < 5 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert state["chunks"] >= 5, state
+    entry = copy.deepcopy(app.entry)
+    entry["args"]["lifecycle"]["request_timeout_s"] = SHORT_TIMEOUT_S  # what editing the YAML and redeploying does
+    deploy(entry)
+    app.entry = entry
+    stream.join(timeout=400)
+    assert not stream.is_alive()
+    assert state.get("done") and state.get("error") is None, state
+    assert state["usage"]["completion_tokens"] == tokens
+    assert state["seconds"] >= 30, state["seconds"]
+    print(f"the stream ran {state['seconds']:.0f} s across the redeploy")
+    # The new replicas serve.
+    wait_ready(app.name)
+    r = httpx.post(f"{app.base_url}/v1/completions", json={"model": app.model, "prompt": "after", "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_a_stream_past_the_request_timeout_ends_with_504_and_counts_as_504(app):
+    """On the redeployed app (request_timeout_s = 6): a stream that would take longer is
+    cut with a 504 error event and ``[DONE]``, counted ``status="504"``; a unary
+    request past it gets HTTP 504."""
+    before = _requests_total(app)
+    body = {"model": app.model, "prompt": "slow", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    start = time.monotonic()
+    with httpx.stream("POST", f"{app.base_url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    took = time.monotonic() - start
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][6:])["error"]
+    assert error["code"] == 504 and "request_timeout_s" in error["message"]
+    assert SHORT_TIMEOUT_S - 0.5 <= took < SHORT_TIMEOUT_S + 10, took
+    unary = httpx.post(f"{app.base_url}/v1/completions", timeout=120, json={**body, "stream": False})
+    assert unary.status_code == 504 and unary.json()["error"]["code"] == 504
+    after = _requests_total(app)
+    key = ("/v1/completions", "504")
+    assert after.get(key, 0) - before.get(key, 0) == 2, (before, after)
+    ok = ("/v1/completions", "200")
+    assert after.get(ok, 0) == before.get(ok, 0)
