@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import time
 from array import array
@@ -300,15 +301,15 @@ class OpenAIIngress:
             {"/metrics", "/metrics/engines", "/metrics/ingresses"} if self.args.metrics_public else set()))
         import ray
 
-        # This replica's own Prometheus endpoint, announced for /metrics/ingresses.
+        # This replica's own Prometheus endpoint (on the node IP the engines bind too),
+        # announced for /metrics/ingresses.
         ctx = serve.get_replica_context()
-        self.announcer = Announcer(ctx.app_name, ctx.replica_id.unique_id,
-                                   metrics_server.start(ray.util.get_node_ip_address()))
-        try:
-            self.announcer.start()
-        except RuntimeError:  # no event loop here: the first health check starts it
-            pass
+        host = os.environ.get("VLLM_HOST_IP") or ray.util.get_node_ip_address()
+        self.announcer = Announcer(ctx.app_name, ctx.replica_id.unique_id, metrics_server.start(host))
         quiet_client_errors()  # a handle caller's 4xx: no traceback in this replica's log
+        for route in ("/v1/chat/completions", "/v1/completions"):  # series exist at 0 from the start, so
+            for status in ("200", "400", CLIENT_CLOSED, "500", "503", "504"):  # increase() sees their first
+                metrics.REQUESTS.labels(route=route, status=status)
 
     async def __del__(self):
         """Serve's shutdown hook, after the drain: export the spans not yet sent (the
@@ -321,10 +322,6 @@ class OpenAIIngress:
         worker = getattr(self, "worker", None)
         if worker is not None:
             worker.close()
-
-    async def check_health(self) -> None:
-        """Serve's periodic health check: also keeps this replica announced."""
-        self.announcer.start()
 
     # ----------------------------------------------------------------- HTTP routes
 
@@ -450,7 +447,6 @@ class OpenAIIngress:
     async def ingress_metrics_targets(self) -> list[dict[str, Any]]:
         """Ingress replicas' own metrics endpoints in Prometheus ``http_sd_configs``
         format, each labelled ``replica`` (``app.ingress_targets``)."""
-        self.announcer.start()
         targets = await self.announcer.targets()
         return [{"targets": [hostport], "labels": {"replica": uid}} for uid, hostport in targets.items()]
 
@@ -578,6 +574,7 @@ class OpenAIIngress:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         status = "200"
+        complete = False
         try:
             if held is None and pending is not None:  # still queued: the first bytes go out with the headers
                 yield _KEEPALIVE
@@ -598,12 +595,14 @@ class OpenAIIngress:
                 return
             if _is_error_event(held):
                 status = _error_event_status(held)
+            complete = held == _DONE
             yield held
             async for chunk in answer:
                 if isinstance(chunk, Accepted):
                     continue
                 if _is_error_event(chunk):
                     status = _error_event_status(chunk)
+                complete = chunk == _DONE
                 yield chunk
         except StopAsyncIteration:  # the answer ended before its first item
             pass
@@ -612,7 +611,8 @@ class OpenAIIngress:
             yield _error_event(e.body())
             yield _DONE
         except (asyncio.CancelledError, GeneratorExit):
-            status = CLIENT_CLOSED
+            if not complete:  # gone after [DONE]: the client has its whole answer
+                status = CLIENT_CLOSED
             raise
         except Exception as e:  # the engine replica died mid-stream: end with an error event
             status = "503"
@@ -791,56 +791,66 @@ class OpenAIIngress:
         return [list(i.get("prompt_token_ids") or ()) for i in inputs]
 
     async def _engine_answer(self, kind: str, ereq: EngineRequest, span, deadline: float) -> AsyncIterator[Any]:
-        """vLLM's answer from an engine replica, with TTFT/ITL/E2E and usage recorded."""
+        """vLLM's answer from an engine replica, with TTFT/ITL/E2E and usage recorded.
+
+        The last item's metrics are recorded before it is passed on: a client that
+        closes the connection as soon as it has ``[DONE]`` still counts."""
         started = time.perf_counter()
         previous: float | None = None
-        summary: EngineSummary | None = None
         streaming = bool(ereq.body.stream)
         first_seen = False
-        async for item in self._engine_items(kind, ereq, deadline):
-            if isinstance(item, Accepted):
-                yield item
-                continue
-            now = time.perf_counter()
-            if isinstance(item, FirstOutput):
-                first_seen = True
-                _tell_routers_first_token(ereq.request_id)
-                if streaming:
-                    metrics.TTFT_SECONDS.observe(now - started)
-                    span.set_attribute("prefix_serve.ttft_s", now - started)
-                item = item.data
-            elif isinstance(item, EngineSummary):
-                summary = item
-                item = item.data
-                if not first_seen:  # a unary answer (or a stream that ended early): prefill is long done
+        ended = False
+        try:
+            async for item in self._engine_items(kind, ereq, deadline):
+                if isinstance(item, Accepted):
+                    yield item
+                    continue
+                now = time.perf_counter()
+                if isinstance(item, FirstOutput):
+                    first_seen = True
                     _tell_routers_first_token(ereq.request_id)
-            if item is None:
-                continue
-            if streaming and previous is not None:
-                metrics.ITL_SECONDS.observe(now - previous)
-            previous = now
-            yield item
-        e2e = time.perf_counter() - started
+                    if streaming:
+                        metrics.TTFT_SECONDS.observe(now - started)
+                        span.set_attribute("prefix_serve.ttft_s", now - started)
+                    item = item.data
+                elif isinstance(item, EngineSummary):
+                    if not first_seen:  # a unary answer (or a stream that ended early): prefill is long done
+                        _tell_routers_first_token(ereq.request_id)
+                    ended = True
+                    self._record_summary(item, now - started, streaming, span, ereq.request_id)
+                    item = item.data
+                if item is None:
+                    continue
+                if streaming and previous is not None:
+                    metrics.ITL_SECONDS.observe(now - previous)
+                previous = now
+                yield item
+        finally:
+            if not ended:  # no summary came (an error, a client gone): the time still counts
+                metrics.E2E_SECONDS.observe(time.perf_counter() - started)
+
+    @staticmethod
+    def _record_summary(summary: EngineSummary, e2e: float, streaming: bool, span, request_id: str) -> None:
+        """E2E, usage and (unary) TTFT of a finished answer, on the metrics and the span."""
         metrics.E2E_SECONDS.observe(e2e)
-        if summary is not None:
-            if not streaming and summary.ttft_s >= 0:
-                # The ingress sees a unary answer only at its end: its TTFT is this
-                # side's time less the engine's time after the first token.
-                ttft = max(0.0, e2e - (summary.e2e_s - summary.ttft_s))
-                metrics.TTFT_SECONDS.observe(ttft)
-                span.set_attribute("prefix_serve.ttft_s", ttft)
-            metrics.INGRESS_PROMPT_TOKENS.inc(summary.prompt_tokens)
-            metrics.INGRESS_CACHED_TOKENS.inc(summary.cached_tokens)
-            metrics.INGRESS_OUTPUT_TOKENS.inc(summary.output_tokens)
-            span.set_attributes({
-                "gen_ai.response.id": ereq.request_id,
-                "gen_ai.usage.input_tokens": summary.prompt_tokens,
-                "gen_ai.usage.output_tokens": summary.output_tokens,
-                "prefix_serve.cached_tokens": summary.cached_tokens,
-                "prefix_serve.replica_id": summary.replica_id,
-            })
-            if summary.finish_reasons:
-                span.set_attribute("gen_ai.response.finish_reasons", summary.finish_reasons)
+        if not streaming and summary.ttft_s >= 0:
+            # The ingress sees a unary answer only at its end: its TTFT is this
+            # side's time less the engine's time after the first token.
+            ttft = max(0.0, e2e - (summary.e2e_s - summary.ttft_s))
+            metrics.TTFT_SECONDS.observe(ttft)
+            span.set_attribute("prefix_serve.ttft_s", ttft)
+        metrics.INGRESS_PROMPT_TOKENS.inc(summary.prompt_tokens)
+        metrics.INGRESS_CACHED_TOKENS.inc(summary.cached_tokens)
+        metrics.INGRESS_OUTPUT_TOKENS.inc(summary.output_tokens)
+        span.set_attributes({
+            "gen_ai.response.id": request_id,
+            "gen_ai.usage.input_tokens": summary.prompt_tokens,
+            "gen_ai.usage.output_tokens": summary.output_tokens,
+            "prefix_serve.cached_tokens": summary.cached_tokens,
+            "prefix_serve.replica_id": summary.replica_id,
+        })
+        if summary.finish_reasons:
+            span.set_attribute("gen_ai.response.finish_reasons", summary.finish_reasons)
 
     async def _engine_items(self, kind: str, ereq: EngineRequest, deadline: float) -> AsyncIterator[Any]:
         """Stream one request's items from an engine replica; resend it on replica

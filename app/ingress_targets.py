@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 import ray
@@ -26,6 +27,7 @@ logger = logging.getLogger("prefix_serve.ingress_targets")
 ANNOUNCE_S = 5.0
 TTL_S = 3 * ANNOUNCE_S
 BOOK_PREFIX = "prefix-serve-ingress-targets:"
+BOOK_NAMESPACE = "serve"  # Serve's own namespace: every replica's job finds the same book
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -49,54 +51,54 @@ class TargetBook:
 
 
 def book(app_name: str):
-    """The application's ``TargetBook`` (created if missing): an actor handle."""
-    return TargetBook.options(name=BOOK_PREFIX + app_name, get_if_exists=True).remote()
+    """The application's ``TargetBook`` (created if missing): an actor handle.
+
+    A book lives while its creator holds a handle to it (Ray ends an actor that no
+    handle refers to), so callers keep the handle."""
+    return TargetBook.options(name=BOOK_PREFIX + app_name, namespace=BOOK_NAMESPACE, get_if_exists=True).remote()
 
 
 class Announcer:
-    """Keeps one ingress replica's entry in its application's book.
+    """Keeps one ingress replica's entry in its application's book, from a daemon thread
+    (a replica's constructor may run outside its event loop, so no task is used).
 
-    ``start()`` on the replica's event loop; ``targets()`` reads the book;
-    ``stop()`` removes the entry (Serve's shutdown hook).
+    ``targets()`` reads the book; ``stop()`` removes the entry (Serve's shutdown hook).
     """
 
     def __init__(self, app_name: str, replica_id: str, hostport: str):
         self.app_name = app_name
         self.replica_id = replica_id
         self.hostport = hostport
-        self._task: asyncio.Task | None = None
+        self._book = None  # held: the replica that created the book keeps it alive
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ingress-target-announcer", daemon=True)
+        self._thread.start()
 
-    def start(self) -> None:
-        """Start announcing on the running event loop (idempotent); raises
-        ``RuntimeError`` outside one."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        while True:
+    def _run(self) -> None:
+        while not self._stopped.is_set():
             try:
-                await book(self.app_name).put.remote(self.replica_id, self.hostport)
-            except asyncio.CancelledError:
-                raise
+                if self._book is None:
+                    self._book = book(self.app_name)
+                ray.get(self._book.put.remote(self.replica_id, self.hostport), timeout=10)
+                wait = ANNOUNCE_S
             except Exception as e:  # noqa: BLE001 - the book's owner stopped: a new book next time
                 logger.info("ingress target book unavailable (%s); announcing again", type(e).__name__)
-                await asyncio.sleep(0.5)
-                continue
-            await asyncio.sleep(ANNOUNCE_S)
+                self._book = None
+                wait = 0.5
+            self._stopped.wait(wait)
 
     async def targets(self) -> dict[str, str]:
         """``replica_id -> host:port`` of the live ingress replicas (this one at least)."""
         try:
-            found = await book(self.app_name).targets.remote()
+            found = await (self._book or book(self.app_name)).targets.remote()
         except Exception:  # noqa: BLE001 - a book being replaced: this replica still answers for itself
             found = {}
         return {**found, self.replica_id: self.hostport}
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        self._stopped.set()
         try:
-            existing = ray.get_actor(BOOK_PREFIX + self.app_name)
+            existing = ray.get_actor(BOOK_PREFIX + self.app_name, namespace=BOOK_NAMESPACE)
             await asyncio.wait_for(existing.remove.remote(self.replica_id), 5.0)
         except Exception:  # noqa: BLE001 - no book, or at shutdown: the entry expires on its own
             pass

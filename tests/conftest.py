@@ -8,7 +8,11 @@ stopped when the module ends.
 from __future__ import annotations
 
 import copy
+import csv
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -162,3 +166,20 @@ def tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(REPO / "models" / "tiny-qwen2"))
+
+
+def run_locust(app, locustfile: str, seconds: int, out: Path, *extra: str) -> tuple[int, dict, list[dict], str]:
+    """Run ``locustfiles/<locustfile>`` headless against ``app`` for ``seconds`` with 4
+    users, as a user would; returns (exit code, CSV stats by (Type, Name), the
+    per-request samples, the output)."""
+    env = {**os.environ, "LOCUST_SAMPLES_FILE": str(out / "samples.jsonl")}
+    cmd = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfiles" / locustfile), "--headless",
+           "-u", "4", "-r", "4", "-t", f"{seconds}s", "--host", app.base_url,
+           "--csv", str(out / "locust"), "--html", str(out / "report.html"), "--only-summary", *extra]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=seconds + 90)
+    with open(out / "locust_stats.csv", newline="", encoding="utf-8") as f:
+        stats = {(row["Type"], row["Name"]): row for row in csv.DictReader(f)}
+    samples = []
+    if (out / "samples.jsonl").exists():
+        samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines() if line.strip()]
+    return proc.returncode, stats, samples, proc.stdout + proc.stderr

@@ -8,16 +8,10 @@ entries in its CSV.
 
 from __future__ import annotations
 
-import csv
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, start_app, stop_all
+from tests.conftest import run_locust, start_app, stop_all
 
 pytestmark = pytest.mark.engine
 
@@ -27,20 +21,6 @@ def app():
     running = start_app(name="prefix-serve")
     yield running
     stop_all()
-
-
-def run_locust(app, locustfile: str, seconds: int, out: Path, *extra: str) -> tuple[int, dict, list[dict], str]:
-    env = {**os.environ, "LOCUST_SAMPLES_FILE": str(out / "samples.jsonl")}
-    cmd = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfiles" / locustfile), "--headless",
-           "-u", "4", "-r", "4", "-t", f"{seconds}s", "--host", app.base_url,
-           "--csv", str(out / "locust"), "--html", str(out / "report.html"), "--only-summary", *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=seconds + 90)
-    with open(out / "locust_stats.csv", newline="", encoding="utf-8") as f:
-        stats = {(row["Type"], row["Name"]): row for row in csv.DictReader(f)}
-    samples = []
-    if (out / "samples.jsonl").exists():
-        samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines() if line.strip()]
-    return proc.returncode, stats, samples, proc.stdout + proc.stderr
 
 
 def assert_clean(workload: str, rc: int, stats: dict, log: str) -> None:

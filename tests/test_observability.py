@@ -6,7 +6,9 @@ with ``make serve``. Metrics are scraped by the real Prometheus server (Debian
 package ``prometheus``) with the shipped ``infra/prometheus.yml``, and queried
 through its HTTP API. The app runs with an API key (``PREFIX_SERVE_API_KEY``):
 Prometheus scrapes with it, and the module checks that neither the key nor a
-``cache_salt`` is written to any span or log in clear.
+``cache_salt`` is written to any span or log in clear. Two ingress replicas run,
+so every metric must be told apart by replica; the last case stops the app and
+checks that the spans of its last request still left.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO, TEST_HTTP_PORT, start_app, stop_all
+from tests.conftest import REPO, TEST_HTTP_PORT, run_locust, start_app, stop_all
 from tests.otlp_receiver import OTLPReceiver
 
 pytestmark = pytest.mark.engine
@@ -54,7 +56,8 @@ def app(receiver):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # Ray workers inherit the driver's environment
     try:
-        running = start_app({"engine_replicas": {"num_replicas": 1}}, name="prefix-serve")
+        running = start_app({"engine_replicas": {"num_replicas": 1}, "ingress_replicas": {"num_replicas": 2}},
+                            name="prefix-serve")
         yield running
     finally:
         stop_all()
@@ -155,13 +158,13 @@ def prometheus(app, tmp_path_factory):
     binary = shutil.which("prometheus")
     assert binary, "the Prometheus server must be installed (make test installs Debian's package)"
     cfg = yaml.safe_load((REPO / "infra" / "prometheus.yml").read_text())
-    cfg["global"]["scrape_interval"] = "1s"
+    # 100 ms scrapes: increase() extrapolates a flat counter's change by up to about
+    # an interval over its window, well under 1 % of the 30 s window below.
+    cfg["global"]["scrape_interval"] = SCRAPE_INTERVAL
     for job in cfg["scrape_configs"]:
-        job["authorization"] = {"type": "Bearer", "credentials": API_KEY}
-        for sc in job.get("static_configs", []):
-            sc["targets"] = [f"127.0.0.1:{TEST_HTTP_PORT}"]
-        for sd in job.get("http_sd_configs", []):
-            sd["url"] = f"http://127.0.0.1:{TEST_HTTP_PORT}/metrics/engines"
+        assert not job.get("static_configs"), "every replica is its own target, found by service discovery"
+        for sd in job["http_sd_configs"]:
+            sd["url"] = sd["url"].replace("127.0.0.1:8000", f"127.0.0.1:{TEST_HTTP_PORT}")
             sd["refresh_interval"] = "1s"
             sd["authorization"] = {"type": "Bearer", "credentials": API_KEY}
     d = tmp_path_factory.mktemp("prometheus")
@@ -180,9 +183,36 @@ def prometheus(app, tmp_path_factory):
                 break
         except httpx.HTTPError:
             time.sleep(0.5)
+    # Both ingress replicas and the engine replica are scraped, each as its own target.
+    up = []
+    while time.monotonic() < deadline:
+        up = _query(url, "up == 1")
+        if sum(1 for r in up if r["metric"]["job"] == "prefix-serve-ingress") == 2 and len(up) == 3:
+            break
+        time.sleep(0.5)
+    assert len(up) == 3, up
     yield url
     proc.terminate()
     proc.wait(timeout=30)
+
+
+SCRAPE_INTERVAL = "100ms"
+
+
+def _ingress_targets(app) -> list[str]:
+    r = httpx.get(f"{app.base_url}/metrics/ingresses", headers=AUTH, timeout=10)
+    assert r.status_code == 200, r.text
+    return [t["targets"][0] for t in r.json()]
+
+
+def _sum_over_ingresses(app, family: str) -> float:
+    """A counter summed over every ingress replica's own endpoint (``/metrics/ingresses``)."""
+    total = 0.0
+    for hostport in _ingress_targets(app):
+        text = httpx.get(f"http://{hostport}/metrics", timeout=10).text
+        total += sum(s.value for f in text_string_to_metric_families(text) if f.name == family
+                     for s in f.samples if s.name.endswith("_total"))
+    return total
 
 
 def _query(url: str, expr: str) -> list[dict]:
@@ -198,11 +228,9 @@ def test_prometheus_scrapes_hit_rate_and_engine_series(app, prometheus):
         usage = app.openai().completions.create(model=app.model, prompt=prompt, max_tokens=1).usage
         prompt_tokens += usage.prompt_tokens
         cached_tokens += usage.prompt_tokens_details.cached_tokens
-    before = httpx.get(f"{app.base_url}/metrics", headers=AUTH, timeout=10).text
-    fams = {f.name: f for f in text_string_to_metric_families(before)}
-    # Counters since the app started: the observability test's chat request plus these three.
-    engine_prompt = fams["prefix_serve_prompt_tokens"].samples[0].value
-    engine_cached = fams["prefix_serve_cached_tokens"].samples[0].value
+    # Counters since the app started, over both ingress replicas: the earlier requests plus these three.
+    engine_prompt = _sum_over_ingresses(app, "prefix_serve_prompt_tokens")
+    engine_cached = _sum_over_ingresses(app, "prefix_serve_cached_tokens")
     assert engine_prompt >= prompt_tokens and engine_cached >= cached_tokens == 2 * (255 // 32 * 32)
     expected_rate = engine_cached / engine_prompt
     expr = "sum(prefix_serve_cached_tokens_total) / sum(prefix_serve_prompt_tokens_total)"
@@ -287,3 +315,66 @@ def test_key_and_salt_never_written_in_clear(app, receiver):
                 data = f.read()
             assert API_KEY.encode() not in data, name
             assert SALT.encode() not in data, name
+
+
+def _requests_by_replica(app) -> dict[str, dict[tuple[str, str], float]]:
+    out = {}
+    for hostport in _ingress_targets(app):
+        text = httpx.get(f"http://{hostport}/metrics", timeout=10).text
+        out[hostport] = {(s.labels["route"], s.labels["status"]): s.value
+                         for f in text_string_to_metric_families(text) if f.name == "prefix_serve_requests"
+                         for s in f.samples if s.name.endswith("_total")}
+    return out
+
+
+def test_increase_over_a_locust_run_matches_what_was_served(app, prometheus, tmp_path):
+    """Two ingress replicas, each its own scrape target: Prometheus's ``increase()``
+    over a Locust run equals the requests the replicas served (within 1 %), and
+    those are what Locust counted plus the requests in flight when Locust stopped
+    its users (it records none of them; those it cut count 499)."""
+    route = "/v1/completions"  # the shared_prefix workload's route
+    body = {"model": app.model, "prompt": "warm", "max_tokens": 1}
+    for _ in range(40):  # every series the run adds to exists before the window opens
+        if all(c.get((route, "200")) for c in _requests_by_replica(app).values()):
+            break
+        assert httpx.post(f"{app.base_url}{route}", json=body, headers=AUTH, timeout=60).status_code == 200
+    before = _requests_by_replica(app)
+    assert len(before) == 2 and all(c.get((route, "200")) for c in before.values()), before
+    time.sleep(2)  # scraped at least once more with these values
+    window_start = time.time()
+    time.sleep(8)
+    users = 4
+    rc, stats, _, log = run_locust(app, "shared_prefix.py", 15, tmp_path, "--api-key", API_KEY, "--max-tokens", "4")
+    assert rc == 0, log[-3000:]
+    sent = int(stats[("shared_prefix", "e2e")]["Request Count"])
+    assert sent >= 20 and int(stats[("shared_prefix", "e2e")]["Failure Count"]) == 0
+    after = _requests_by_replica(app)
+    served = sum(after[r].get(k, 0) - before[r].get(k, 0) for r in after for k in after[r])
+    served_by = [sum(after[r].values()) - sum(before[r].values()) for r in after]
+    # Requests Locust cut when it stopped are counted 499 (the client went away), not 200.
+    cut = sum(after[r].get((route, "499"), 0) - before[r].get((route, "499"), 0) for r in after)
+    assert sent <= served - cut <= sent + users, (before, after, sent)
+    assert all(n > 0 for n in served_by), served_by  # both replicas took part
+    time.sleep(8)  # scrapes past the run
+    window = round(time.time() - window_start)
+    result = _query(prometheus, f"sum(increase(prefix_serve_requests_total[{window}s]))")
+    measured = float(result[0]["value"][1])
+    print(f"Locust counted {sent}; the ingress replicas served {served} ({served_by}; {cut} cut by Locust's stop); "
+          f"increase() over {window} s read {measured:.2f}")
+    assert measured == pytest.approx(served, rel=0.01)
+
+
+def test_spans_of_the_last_requests_leave_when_the_app_stops(app, receiver):
+    """Runs last: a request, then the app is deleted at once. Both deployments flush
+    their spans in Serve's shutdown hook, so its spans reach the collector although
+    the processes end before the batch processor's next export."""
+    from ray import serve
+
+    trace_id = secrets.token_hex(16)
+    body = {"model": app.model, "prompt": "last words " * 20, "max_tokens": 3}
+    r = httpx.post(f"{app.base_url}/v1/completions", json=body, timeout=60,
+                   headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01", **AUTH})
+    assert r.status_code == 200
+    serve.delete(app.name)  # blocks until every replica stopped
+    names = {s["name"] for s in receiver.of_trace(trace_id)}
+    assert {f"text_completion {app.model}", "prefix_serve.engine.generate"} <= names, names
