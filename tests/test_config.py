@@ -227,3 +227,41 @@ def test_non_finite_router_knobs_fail_the_build(knob, value):
 def test_a_home_of_no_such_user_is_a_missing_path_not_a_crash():
     with pytest.raises(ValueError, match="model: path '~nosuchuser-prefix-serve/x' does not exist"):
         parse_app_args({"model": "~nosuchuser-prefix-serve/x"})
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_both_deployments_drain_as_long_as_the_longest_request(path):
+    """Drain times come from lifecycle.request_timeout_s: the ingress drains at least as
+    long as the engines, and both as long as the longest request the ingress lets run."""
+    from app.builder import build_app
+
+    entry = _app_entry(path)
+    args = parse_app_args(entry["args"])
+    app = build_app(entry["args"])
+    ingress = app._bound_deployment  # noqa: SLF001 - the bound ingress and its engine argument
+    engine = next(a for a in ingress.init_args if hasattr(a, "_bound_deployment"))._bound_deployment
+    assert engine.name == "VLLMEngine"
+    ingress_drain = ingress._deployment_config.graceful_shutdown_timeout_s  # noqa: SLF001
+    engine_drain = engine._deployment_config.graceful_shutdown_timeout_s  # noqa: SLF001
+    longest = args.lifecycle.request_timeout_s
+    assert ingress_drain >= engine_drain >= longest + args.lifecycle.drain_margin_s
+    assert ingress_drain == longest + args.lifecycle.drain_margin_s
+
+
+def test_kuberay_pods_outlast_the_drain():
+    doc = _kuberay_doc()
+    args = parse_app_args(yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"][0]["args"])
+    for group in doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        grace = group["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace >= args.lifecycle.drain_timeout_s
+
+
+@pytest.mark.parametrize("lifecycle, needle", [
+    ({"request_timeout_s": 0}, "lifecycle.request_timeout_s"),
+    ({"stream_keepalive_s": -1}, "lifecycle.stream_keepalive_s"),
+    ({"drain_margin_s": float("inf")}, "lifecycle.drain_margin_s"),
+    ({"grace_s": 5}, "lifecycle.grace_s"),
+])
+def test_bad_lifecycle_args_fail_naming_the_key(lifecycle, needle):
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+        parse_app_args({"lifecycle": lifecycle})

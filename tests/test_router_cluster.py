@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import deploy, engine_deployment, start_app, stop_all
 
@@ -52,6 +53,14 @@ def routing(app) -> dict:
     routers = httpx.get(f"{app.base_url}/debug/routing", timeout=30).json()["routers"]
     assert routers, "the ingress has no live router"
     return routers[0]
+
+
+def requests_total(app, status: str) -> float:
+    """``prefix_serve_requests_total`` of the completions route with this status (one ingress replica)."""
+    text = httpx.get(f"{app.base_url}/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "prefix_serve_requests"
+               for s in f.samples if s.name.endswith("_total") and s.labels["route"] == "/v1/completions"
+               and s.labels["status"] == status)
 
 
 def decision(app, request_id: str) -> dict:
@@ -289,6 +298,7 @@ def test_replica_loss_mid_stream_then_replacement_is_indexed(app):
     assert all(s.chunks >= 2 for s in streams), [s.error for s in streams]
     placement = {s.request_id: decision(app, s.request_id)["replica_id"] for s in streams}
     victim = placement[streams[0].request_id]
+    failed_before = requests_total(app, "503")
     os.kill(engine_replica_pid(victim), signal.SIGKILL)
     killed_at = time.monotonic()
 
@@ -311,6 +321,9 @@ def test_replica_loss_mid_stream_then_replacement_is_indexed(app):
             assert s.error is not None and s.error["code"] == 503
         else:
             assert s.error is None and s.chunks >= 1
+    # ... and the metric counts what the clients saw: each cut stream as a 503, not a 200.
+    cut = sum(1 for s in streams if placement[s.request_id] == victim)
+    assert requests_total(app, "503") - failed_before == cut
 
     # 3. New requests succeed while Serve replaces the replica.
     for i in range(4):
