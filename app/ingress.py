@@ -57,6 +57,7 @@ from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from app import auth, metrics, metrics_server, tracing
 from app.config import AppArgs
@@ -81,6 +82,8 @@ fastapi_app = FastAPI(title="prefix-serve", description="OpenAI-compatible API w
 # not started yet is sent again (the router then picks a live replica).
 _RETRYABLE = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ReplicaUnavailableError")
 _MAX_ATTEMPTS = 3
+_SERVER_SIDE = (TimeoutError, MemoryError, NotImplementedError, RuntimeError)
+"""Rendering failures that are the service's, not the client's text: vLLM's status stays."""
 _CHAT, _COMPLETION = "chat", "completions"
 _SPAN_OPERATION = {_CHAT: "chat", _COMPLETION: "text_completion"}
 _ID_PREFIX = {_CHAT: "chatcmpl", _COMPLETION: "cmpl"}  # vLLM's response id prefixes
@@ -273,9 +276,20 @@ class _Prepared:
     stream: bool
 
 
+def _drop(pending: asyncio.Future | None) -> None:
+    """Cancel a wait for the answer's next item; an outcome it already has is read
+    (so asyncio logs no "exception was never retrieved")."""
+    if pending is None:
+        return
+    if pending.done():
+        if not pending.cancelled():
+            pending.exception()
+    else:
+        pending.cancel()
+
+
 def _timeout_error(timeout_s: float) -> OpenAIError:
-    return OpenAIError(f"request timed out after {timeout_s:g} s (lifecycle.request_timeout_s)", 504,
-                       "TimeoutError")
+    return OpenAIError(f"request timed out after {timeout_s:g} s (lifecycle.request_timeout_s)", 504)
 
 
 async def _awaited(response: Any) -> Any:
@@ -305,23 +319,25 @@ class OpenAIIngress:
         # announced for /metrics/ingresses.
         ctx = serve.get_replica_context()
         host = os.environ.get("VLLM_HOST_IP") or ray.util.get_node_ip_address()
-        self.announcer = Announcer(ctx.app_name, ctx.replica_id.unique_id, metrics_server.start(host))
+        self.announcer = Announcer(ctx.app_name, ctx.replica_id.unique_id,
+                                   metrics_server.start(host, before_scrape=metrics.refresh_router_gauges))
         quiet_client_errors()  # a handle caller's 4xx: no traceback in this replica's log
         for route in ("/v1/chat/completions", "/v1/completions"):  # series exist at 0 from the start, so
-            for status in ("200", "400", CLIENT_CLOSED, "500", "503", "504"):  # increase() sees their first
-                metrics.REQUESTS.labels(route=route, status=status)
+            for status in ("200", "400", "404", "413", CLIENT_CLOSED, "500", "503", "504"):  # increase()
+                metrics.REQUESTS.labels(route=route, status=status)  # sees their first request
 
     async def __del__(self):
-        """Serve's shutdown hook, after the drain: export the spans not yet sent (the
-        batch processor would send them up to 500 ms later, after the process is
-        gone), then stop the worker loop."""
-        await asyncio.to_thread(tracing.force_flush)
+        """Serve's shutdown hook, after the drain: leave the metrics target book, stop
+        the worker loop, then export the spans not yet sent (the batch processor
+        would send them up to 500 ms later, after the process is gone). Blocking
+        steps run in a thread; together at most about 10 s."""
         announcer = getattr(self, "announcer", None)
         if announcer is not None:
             await announcer.stop()
         worker = getattr(self, "worker", None)
         if worker is not None:
-            worker.close()
+            await asyncio.to_thread(worker.close)
+        await asyncio.to_thread(tracing.force_flush)
 
     # ----------------------------------------------------------------- HTTP routes
 
@@ -431,8 +447,7 @@ class OpenAIIngress:
         from fastapi.responses import Response
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        for router in list(metrics.ROUTERS):
-            router.export_gauges()
+        metrics.refresh_router_gauges()
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @fastapi_app.get("/metrics/engines")
@@ -532,8 +547,13 @@ class OpenAIIngress:
         except OpenAIError as e:
             status = str(e.status)
             raise
-        except (asyncio.CancelledError, GeneratorExit):
+        except (asyncio.CancelledError, GeneratorExit, ClientDisconnect):
             status = CLIENT_CLOSED
+            raise
+        except Exception as e:
+            if _caused_by_replica_loss(e):  # every attempt's replica died: as a stream's error event says
+                status = "503"
+                raise OpenAIError(f"engine error: {type(e).__name__}", 503) from e
             raise
         finally:
             if not committed:
@@ -555,7 +575,7 @@ class OpenAIIngress:
         try:
             done, _ = await asyncio.wait({pending}, timeout=keepalive)
         except BaseException:
-            pending.cancel()
+            _drop(pending)
             raise
         held = None
         if done:
@@ -595,17 +615,19 @@ class OpenAIIngress:
                 return
             if _is_error_event(held):
                 status = _error_event_status(held)
-            complete = held == _DONE
             yield held
+            complete = held == _DONE
             async for chunk in answer:
                 if isinstance(chunk, Accepted):
                     continue
                 if _is_error_event(chunk):
                     status = _error_event_status(chunk)
-                complete = chunk == _DONE
                 yield chunk
-        except StopAsyncIteration:  # the answer ended before its first item
-            pass
+                complete = chunk == _DONE
+        except StopAsyncIteration:  # the answer ended before its first item: say so, not a silent close
+            status = "500"
+            yield _error_event(error_body("engine error: the answer ended before its first item", 500))
+            yield _DONE
         except OpenAIError as e:  # the request's deadline
             status = str(e.status)
             yield _error_event(e.body())
@@ -615,13 +637,12 @@ class OpenAIIngress:
                 status = CLIENT_CLOSED
             raise
         except Exception as e:  # the engine replica died mid-stream: end with an error event
-            status = "503"
+            status = "503"  # (what else can end a stream from the engine here is a lost call too)
             logger.warning("stream ended by error: %s", e)
             yield _error_event(error_body(f"engine error: {type(e).__name__}", 503))
             yield _DONE
         finally:
-            if pending is not None:
-                pending.cancel()
+            _drop(pending)
             metrics.REQUESTS.labels(route=route, status=status).inc()
 
     # --------------------------------------------------------- handle-callable API
@@ -778,15 +799,15 @@ class OpenAIIngress:
         except Exception as e:  # noqa: BLE001 - vLLM's server maps every error the same way
             from pydantic import ValidationError
 
+            field = "messages" if kind == _CHAT else "prompt"
             # Content parts pydantic validates lazily fail here, while rendering.
             inputs = _validation_error(e) if isinstance(e, ValidationError) else _error_response(e)
+            if inputs.error.code >= 500 and not isinstance(e, _SERVER_SIDE):
+                # The template or tokenizer failed on the client's text: a 400 naming the field.
+                return _error_response(f"{field}: could not be rendered: {type(e).__name__}: {e}", param=field)
         if isinstance(inputs, ErrorResponse):
-            # What the template or tokenizer refused is the client's text: a 400 naming the field.
-            field = "messages" if kind == _CHAT else "prompt"
-            if inputs.error.code >= 500:
-                return _error_response(f"{field}: could not be rendered: {inputs.error.message}", param=field)
-            if inputs.error.param is None:
-                inputs.error.param = field
+            if inputs.error.param is None and inputs.error.code < 500:
+                inputs.error.param = "messages" if kind == _CHAT else "prompt"
             return inputs
         return [list(i.get("prompt_token_ids") or ()) for i in inputs]
 
@@ -872,14 +893,18 @@ class OpenAIIngress:
                 gen.cancel()
 
             timer = loop.call_at(deadline, expire)
+            finished = False
             try:
                 async for item in gen:
                     if not isinstance(item, Accepted):
                         answered = True
+                    if isinstance(item, EngineSummary):  # the answer is complete: no deadline past it
+                        timer.cancel()
                     yield item
+                finished = True
                 return
             except BaseException as e:
-                if expired:
+                if expired and not isinstance(e, GeneratorExit):
                     task = asyncio.current_task()
                     if not (isinstance(e, asyncio.CancelledError) and task is not None and task.cancelling()):
                         raise _timeout_error(timeout_s) from None
@@ -892,6 +917,8 @@ class OpenAIIngress:
                 ereq.request_id = f"{base_id}~{attempt}"
             finally:
                 timer.cancel()
+                if not finished:
+                    gen.cancel()  # left early (client gone, error, deadline): abort it in the engine
 
     @contextmanager
     def _span(self, kind: str, trace_headers: dict[str, str] | None):

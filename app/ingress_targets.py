@@ -81,24 +81,29 @@ class Announcer:
                     self._book = book(self.app_name)
                 ray.get(self._book.put.remote(self.replica_id, self.hostport), timeout=10)
                 wait = ANNOUNCE_S
-            except Exception as e:  # noqa: BLE001 - the book's owner stopped: a new book next time
+            except Exception as e:  # noqa: BLE001 - a slow book, or its owner stopped
                 logger.info("ingress target book unavailable (%s); announcing again", type(e).__name__)
-                self._book = None
+                if isinstance(e, ray.exceptions.RayActorError):  # gone: the next call makes a new one
+                    self._book = None
                 wait = 0.5
             self._stopped.wait(wait)
 
     async def targets(self) -> dict[str, str]:
         """``replica_id -> host:port`` of the live ingress replicas (this one at least)."""
         try:
-            found = await (self._book or book(self.app_name)).targets.remote()
+            found = await (self._book or ray.get_actor(BOOK_PREFIX + self.app_name,
+                                                        namespace=BOOK_NAMESPACE)).targets.remote()
         except Exception:  # noqa: BLE001 - a book being replaced: this replica still answers for itself
             found = {}
         return {**found, self.replica_id: self.hostport}
 
     async def stop(self) -> None:
+        """Stop announcing (after any announcement in flight) and remove the entry."""
         self._stopped.set()
+        await asyncio.to_thread(self._thread.join, 11.0)
         try:
-            existing = ray.get_actor(BOOK_PREFIX + self.app_name, namespace=BOOK_NAMESPACE)
+            existing = self._book or await asyncio.to_thread(
+                ray.get_actor, BOOK_PREFIX + self.app_name, BOOK_NAMESPACE)
             await asyncio.wait_for(existing.remove.remote(self.replica_id), 5.0)
         except Exception:  # noqa: BLE001 - no book, or at shutdown: the entry expires on its own
             pass

@@ -29,6 +29,13 @@ EVENT_PATH_ALIVE = Gauge("prefix_serve_kv_event_path_alive", "1 while the router
 ROUTERS: weakref.WeakSet = weakref.WeakSet()
 """Every live router of this process (read by the ingress's debug and metrics routes)."""
 
+
+def refresh_router_gauges() -> None:
+    """Set the index and event-path gauges of every router of this process (before
+    each scrape: the values are O(1) to read, so they are not kept current between)."""
+    for router in list(ROUTERS):
+        router.export_gauges()
+
 RECENT_DECISIONS_MAX = 4096
 """Routing decisions each router keeps for ``/debug/routing/decisions/{id}``."""
 

@@ -10,13 +10,17 @@ Prometheus finds them through HTTP service discovery (``/metrics/engines``,
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
-def start(host: str) -> str:
+def start(host: str, before_scrape: Callable[[], None] | None = None) -> str:
     """Serve this process's Prometheus registry at ``http://host:<port>/metrics`` on
     a daemon thread; returns ``host:port`` (the port is picked by the OS).
+    ``before_scrape`` runs before each answer (to refresh gauges); an exception in
+    it is logged and the registry served as it is.
 
     Always the classic text format (``generate_latest``), as vLLM's own API server
     does: prometheus-client's negotiated OpenMetrics output would rename ``vllm:x``
@@ -27,6 +31,11 @@ def start(host: str) -> str:
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server API
+            if before_scrape is not None:
+                try:
+                    before_scrape()
+                except Exception:  # noqa: BLE001 - a scrape must still answer
+                    logging.getLogger("prefix_serve.metrics").exception("refreshing gauges before a scrape failed")
             body = generate_latest()
             self.send_response(200 if self.path.startswith("/metrics") else 404)
             self.send_header("Content-Type", CONTENT_TYPE_LATEST)

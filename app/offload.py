@@ -8,10 +8,11 @@ work stalls every other stream and ``/health`` of the replica for as long.
 ``WorkerLoop.run(coro)`` runs such a coroutine on the worker loop instead, so the
 serving loop only waits on a future.
 
-Bounded: one thread, so at most one request's preparation competes with the
-serving loop for the GIL (which CPython hands over every ``sys.getswitchinterval()``,
-5 ms by default); others wait their turn in FIFO order, and how many can wait is
-bounded by the ingress replica's ``max_ongoing_requests``.
+Bounded: one thread, so the preparations on it together compete with the serving
+loop for the GIL no more than one thread does (CPython hands the GIL over every
+``sys.getswitchinterval()``, 5 ms by default); they interleave at their ``await``
+points, and how many there can be is bounded by the ingress replica's
+``max_ongoing_requests``.
 
 Context variables (the OpenTelemetry span) are carried over: the coroutine runs
 in a copy of the caller's context (``asyncio.run_coroutine_threadsafe`` schedules
@@ -34,6 +35,7 @@ class WorkerLoop:
 
     def __init__(self, name: str = "ingress-prepare"):
         self.loop = asyncio.new_event_loop()
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -46,16 +48,27 @@ class WorkerLoop:
 
         Raises ``RuntimeError`` if the worker loop was closed.
         """
-        if self.loop.is_closed() or not self._thread.is_alive():
+        if self._closing or self.loop.is_closed() or not self._thread.is_alive():
             coro.close()
             raise RuntimeError("the ingress's worker loop is closed")
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the loop (work still on it is dropped) and join the thread."""
-        if self.loop.is_closed():
+        """Cancel the work on the loop, stop it and join the thread; ``run`` refuses
+        new work from here on."""
+        if self._closing or self.loop.is_closed():
             return
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._closing = True
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks(self.loop) if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.sleep(0)  # the callers' futures hear of it before the loop stops
+            self.loop.stop()
+
+        asyncio.run_coroutine_threadsafe(cancel_all(), self.loop)
         self._thread.join(timeout_s)
         if not self._thread.is_alive():
             self.loop.close()

@@ -6,9 +6,9 @@ the request router reads to compute the request's block keys (token ids,
 ``cache_salt``, LoRA name). The engine streams back vLLM's answer, untouched:
 SSE strings (``"data: {...}\n\n"``, the last one ``"data: [DONE]\n\n"``) for a
 stream, else one response model, or one ``ErrorResponse``. A stream's answer
-starts with ``Accepted`` (vLLM's serving layer validated the request and handed
-it to the engine), so the ingress can send the response headers and keep-alive
-comments while the request waits for its first token. Two of vLLM's items come
+starts with ``Accepted`` (vLLM's serving layer validated the request), so the
+ingress can send the response headers and keep-alive comments while the request
+waits for its first token. Two of vLLM's items come
 wrapped, so that no other extra item crosses between the processes:
 
 - ``FirstOutput`` wraps the first item sent after the engine produced its first
@@ -78,8 +78,9 @@ class EngineRequest:
 
 @dataclass(slots=True)
 class Accepted:
-    """vLLM's serving layer accepted a streamed request: it passed vLLM's checks
-    and waits in the engine; its SSE stream follows (no item of it comes with this)."""
+    """vLLM's serving layer accepted a streamed request: it passed vLLM's checks and
+    its SSE stream follows, the request entering the engine as the stream is first
+    read (no item of the stream comes with this)."""
 
     replica_id: str
 

@@ -160,12 +160,19 @@ def _sse_lines(response: requests.Response):
     close-delimited one (no ``Content-Length``, no chunked encoding: what some
     gateways send) to its end before yielding anything, which would make TTFT
     equal the end-to-end time and every ITL 0. ``read1`` returns whatever bytes
-    have arrived, in either framing (urllib3 decodes chunks and compression).
+    have arrived, in either framing (urllib3 decodes the chunks, and the compression
+    with ``decode_content``). urllib3's own errors are raised as requests' (as
+    ``iter_lines`` raises them), so a reset or read timeout is a failed request.
     """
+    import urllib3.exceptions
+
     raw = response.raw
     buffer = b""
     while True:
-        data = raw.read1(65536)
+        try:
+            data = raw.read1(65536, decode_content=True)
+        except urllib3.exceptions.HTTPError as e:
+            raise requests.ConnectionError(f"{type(e).__name__}: {e}") from e
         if not data:
             break
         buffer += data
