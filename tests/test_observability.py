@@ -244,6 +244,11 @@ def test_prometheus_scrapes_hit_rate_and_engine_series(app, prometheus):
     assert result and float(result[0]["value"][1]) == pytest.approx(expected_rate)
     router = _query(prometheus, "sum(prefix_serve_router_predicted_cached_tokens_total)")
     assert router and float(router[0]["value"][1]) >= cached_tokens
+    # The router's gauges are refreshed on every scrape of a replica's own endpoint.
+    alive = _query(prometheus, "min(prefix_serve_kv_event_path_alive)")
+    blocks = _query(prometheus, "max(prefix_serve_index_blocks)")
+    assert alive and float(alive[0]["value"][1]) == 1
+    assert blocks and float(blocks[0]["value"][1]) >= 256 // 32 - 1
     # The engine replica's own vLLM series, found through /metrics/engines (HTTP SD).
     deadline = time.monotonic() + 60
     hits = []
@@ -258,7 +263,8 @@ def test_prometheus_scrapes_hit_rate_and_engine_series(app, prometheus):
 def test_grafana_dashboard_references_only_exported_series(app, prometheus):
     dash = json.loads((REPO / "infra" / "grafana" / "prefix-serve-dashboard.json").read_text())
     assert dash["title"] and dash["panels"] and dash["schemaVersion"] >= 30
-    exported = _families(httpx.get(f"{app.base_url}/metrics", headers=AUTH, timeout=10).text)
+    # What Prometheus scrapes: an ingress replica's own endpoint (found by /metrics/ingresses).
+    exported = _families(httpx.get(f"http://{_ingress_targets(app)[0]}/metrics", timeout=10).text)
     targets = httpx.get(f"{app.base_url}/metrics/engines", headers=AUTH, timeout=10).json()
     assert targets and targets[0]["targets"]
     exported |= _families(httpx.get(f"http://{targets[0]['targets'][0]}/metrics", timeout=10).text)
