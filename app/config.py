@@ -224,7 +224,8 @@ class AppArgs(_Strict):
         "PREFIX_SERVE_API_KEY",
         description="name of the environment variable holding the bearer API key; unset or empty = no auth",
     )
-    metrics_public: bool = Field(False, description="serve /metrics and /metrics/engines without the API key")
+    metrics_public: bool = Field(False, description="serve /metrics, /metrics/engines and /metrics/ingresses "
+                                                    "without the API key")
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get HTTP 413")
 
     @field_validator("model", "tokenizer")

@@ -219,8 +219,9 @@ def _oversized(kind: str, body: Any, max_model_len: int):
     without stalling the ingress, naming the field; None otherwise.
 
     Chat: more than ``MAX_MESSAGE_ITEMS`` messages plus content parts. Completions:
-    a token-id prompt longer than ``max_model_len`` (vLLM refuses it too, but only
-    after validating every id). A cheap Python scan, run before pydantic.
+    a token-id prompt longer than ``max_model_len``, refused as vLLM refuses it
+    (its message and ``param``), but before every id is validated. A cheap Python
+    scan, run before pydantic.
     """
     if not isinstance(body, dict):
         return None
@@ -237,8 +238,9 @@ def _oversized(kind: str, body: Any, max_model_len: int):
     prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
     for p in prompts:
         if isinstance(p, list) and len(p) > max_model_len:
-            return _error_response(f"prompt: {len(p)} prompt tokens exceed this model's maximum context length "
-                                   f"of {max_model_len} tokens", param="prompt")
+            return _error_response(f"This model's maximum context length is {max_model_len} tokens. However, "
+                                   f"your prompt contains {len(p)} input tokens. Please reduce the length of "
+                                   f"the input prompt.", param="input_tokens")  # vLLM's words and param
     return None
 
 
