@@ -15,14 +15,21 @@ answer is vLLM's own. This deployment only:
    sends it through the engine ``DeploymentHandle``, whose prefix-affinity
    request router reads the ids to pick the replica;
 4. passes vLLM's answer back untouched: JSON, or the SSE stream as vLLM wrote it,
-   recording metrics and the request span on the way.
+   recording metrics and the request span on the way. What it adds to a stream:
+   ``: keep-alive`` comment lines while the request waits for its first token
+   (``lifecycle.stream_keepalive_s``), and an error event (then ``[DONE]``) when
+   the stream is ended by a lost replica (503) or the request timeout (504).
+
+Large bodies are prepared on a worker loop (``app.offload``), so they never stall
+this replica's other requests; chats past ``MAX_MESSAGE_ITEMS`` are refused first.
 
 HTTP routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream:
 true`` gives server-sent events), ``POST /tokenize`` and ``POST /detokenize``
 (also under ``/v1/``), ``GET /v1/models``, ``GET /health`` (liveness: this ingress
 is up), ``GET /ready`` (readiness: the engines can serve and this process's request
-routers are subscribed; no API key), ``GET /metrics``, ``GET /metrics/engines``,
-``GET /debug/routing``, ``GET /debug/routing/decisions/{id}``.
+routers are subscribed; no API key), ``GET /metrics`` (this replica),
+``GET /metrics/ingresses`` and ``GET /metrics/engines`` (every replica's own
+endpoint, for Prometheus HTTP service discovery), ``GET /debug/routing``, ``GET /debug/routing/decisions/{id}``.
 
 Python handles (from another Ray app, ``serve.get_app_handle("prefix-serve")``):
 
