@@ -320,6 +320,11 @@ class _Prepared:
     stream: bool
 
 
+def _sd_targets(targets: dict[str, str]) -> list[dict[str, Any]]:
+    """Prometheus ``http_sd_configs`` entries, one per ``replica_id -> host:port``, labelled ``replica``."""
+    return [{"targets": [hostport], "labels": {"replica": uid}} for uid, hostport in sorted(targets.items())]
+
+
 def _drop(pending: asyncio.Future | None) -> None:
     """Cancel a wait for the answer's next item; an outcome it already has is read
     (so asyncio logs no "exception was never retrieved")."""
@@ -500,14 +505,13 @@ class OpenAIIngress:
         targets: dict[str, str] = {}
         for router in list(metrics.ROUTERS):
             targets.update(router.engine_metrics_targets())
-        return [{"targets": [hostport], "labels": {"replica": uid}} for uid, hostport in sorted(targets.items())]
+        return _sd_targets(targets)
 
     @fastapi_app.get("/metrics/ingresses")
     async def ingress_metrics_targets(self) -> list[dict[str, Any]]:
         """Ingress replicas' own metrics endpoints in Prometheus ``http_sd_configs``
         format, each labelled ``replica`` (``app.ingress_targets``)."""
-        targets = await self.announcer.targets()
-        return [{"targets": [hostport], "labels": {"replica": uid}} for uid, hostport in targets.items()]
+        return _sd_targets(await self.announcer.targets())
 
     @fastapi_app.post("/tokenize")
     @fastapi_app.post("/v1/tokenize")

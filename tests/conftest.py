@@ -183,3 +183,12 @@ def run_locust(app, locustfile: str, seconds: int, out: Path, *extra: str) -> tu
     if (out / "samples.jsonl").exists():
         samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines() if line.strip()]
     return proc.returncode, stats, samples, proc.stdout + proc.stderr
+
+
+def requests_by_status(metrics_text: str) -> dict[tuple[str, str], float]:
+    """``prefix_serve_requests_total`` of one scrape, by ``(route, status)``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.labels["route"], s.labels["status"]): s.value
+            for f in text_string_to_metric_families(metrics_text) if f.name == "prefix_serve_requests"
+            for s in f.samples if s.name.endswith("_total")}

@@ -15,9 +15,7 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
-from tests.conftest import deploy, start_app, stop_all, wait_ready
+from tests.conftest import deploy, requests_by_status, start_app, stop_all, wait_ready
 
 pytestmark = pytest.mark.engine
 
@@ -48,10 +46,7 @@ def _ttft(app, prompt: str) -> float:
 
 
 def _requests_total(app) -> dict[tuple[str, str], float]:
-    text = httpx.get(f"{app.base_url}/metrics", timeout=30).text
-    return {(s.labels["route"], s.labels["status"]): s.value
-            for f in text_string_to_metric_families(text) if f.name == "prefix_serve_requests"
-            for s in f.samples if s.name.endswith("_total")}
+    return requests_by_status(httpx.get(f"{app.base_url}/metrics", timeout=30).text)
 
 
 def _occupy(app) -> list[threading.Thread]:

@@ -27,7 +27,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO, TEST_HTTP_PORT, run_locust, start_app, stop_all
+from tests.conftest import REPO, TEST_HTTP_PORT, requests_by_status, run_locust, start_app, stop_all
 from tests.otlp_receiver import OTLPReceiver
 
 pytestmark = pytest.mark.engine
@@ -326,10 +326,7 @@ def test_key_and_salt_never_written_in_clear(app, receiver):
 def _requests_by_replica(app) -> dict[str, dict[tuple[str, str], float]]:
     out = {}
     for hostport in _ingress_targets(app):
-        text = httpx.get(f"http://{hostport}/metrics", timeout=10).text
-        out[hostport] = {(s.labels["route"], s.labels["status"]): s.value
-                         for f in text_string_to_metric_families(text) if f.name == "prefix_serve_requests"
-                         for s in f.samples if s.name.endswith("_total")}
+        out[hostport] = requests_by_status(httpx.get(f"http://{hostport}/metrics", timeout=10).text)
     return out
 
 

@@ -19,9 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import deploy, engine_deployment, start_app, stop_all
+from tests.conftest import deploy, engine_deployment, requests_by_status, start_app, stop_all
 
 pytestmark = pytest.mark.engine
 
@@ -57,10 +56,8 @@ def routing(app) -> dict:
 
 def requests_total(app, status: str) -> float:
     """``prefix_serve_requests_total`` of the completions route with this status (one ingress replica)."""
-    text = httpx.get(f"{app.base_url}/metrics", timeout=30).text
-    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "prefix_serve_requests"
-               for s in f.samples if s.name.endswith("_total") and s.labels["route"] == "/v1/completions"
-               and s.labels["status"] == status)
+    return requests_by_status(httpx.get(f"{app.base_url}/metrics", timeout=30).text).get(
+        ("/v1/completions", status), 0.0)
 
 
 def decision(app, request_id: str) -> dict:
