@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from routing import defaults
 from routing.affinity import AffinityRouter
 from routing.index import BlockIndex
 from routing.policy import PolicyConfig
@@ -86,16 +87,16 @@ class RouterConfig(_Strict):
         description="tokens per KV block; the builder fills it from engine.block_size so a router "
                     "scores requests from its first one",
     )
-    max_indexed_blocks: int = Field(1_000_000, ge=1, description="cap on (replica, block) entries of the index; keys past it are refused and counted (set it above the cluster's KV capacity in blocks)")
-    predicted_ttl_s: float = Field(2.0, gt=0.0, description="blind-window lifetime of predicted blocks")
-    load_factor: float = Field(2.0, ge=1.0, description="bounded load: spill above this multiple of mean load")
+    max_indexed_blocks: int = Field(defaults.MAX_INDEXED_BLOCKS, ge=1, description="cap on (replica, block) entries of the index; keys past it are refused and counted (set it above the cluster's KV capacity in blocks)")
+    predicted_ttl_s: float = Field(defaults.PREDICTED_TTL_S, gt=0.0, description="blind-window lifetime of predicted blocks")
+    load_factor: float = Field(defaults.LOAD_FACTOR, ge=1.0, description="bounded load: spill above this multiple of mean load")
     load_floor: int = Field(_POLICY.load_floor, ge=0, description="no replica is over the load bound below this many requests in flight")
     uncached_weight: float = Field(_POLICY.uncached_weight, ge=1.0, description="weight of uncached prompt tokens against queued ones in the score")
     no_match_choices: int = Field(_POLICY.no_match_choices, ge=0, description="replicas sampled when none holds the prefix: 2 = power of two choices, 0 = all")
     busy_cluster_weight: float = Field(_POLICY.busy_cluster_weight, ge=0.0, description="growth of the uncached weight per prompt's worth of prefill queued on the least busy replica")
     eviction_weight: float = Field(_POLICY.eviction_weight, ge=0.0, description="weight of a cached token a request would evict past the replica's free blocks")
-    queued_predicted_ttl_s: float = Field(600.0, gt=0.0, description="lifetime of a request's predicted blocks while it waits for its first token")
-    stale_events_s: float = Field(30.0, gt=0.0, description="a replica silent this long with work in flight is routed by load only")
+    queued_predicted_ttl_s: float = Field(defaults.QUEUED_PREDICTED_TTL_S, gt=0.0, description="lifetime of a request's predicted blocks while it waits for its first token")
+    stale_events_s: float = Field(defaults.STALE_EVENTS_S, gt=0.0, description="a replica silent this long with work in flight is routed by load only")
 
     def affinity_router(self, rng: random.Random | None = None, index: BlockIndex | None = None) -> AffinityRouter:
         """A fresh ``routing.affinity.AffinityRouter`` with these knobs.

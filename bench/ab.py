@@ -363,8 +363,10 @@ def warm_up(base_url: str, model: str, n: int, seed: int) -> dict[str, Any]:
     """``n`` short requests with prompts unrelated to the workload (2 at a time)."""
     import httpx
 
+    from locustfiles.workloads import DEFAULT_TOKEN_RANGE
+
     rng = random.Random(f"warmup:{seed}")
-    prompts = [[rng.randrange(10, 1000) for _ in range(48)] for _ in range(n)]
+    prompts = [[rng.randrange(*DEFAULT_TOKEN_RANGE) for _ in range(48)] for _ in range(n)]
     errors: list[str] = []
 
     def one(prompt):

@@ -24,6 +24,8 @@ import time
 
 import httpx
 
+from app.config import AppArgs
+
 KINDS = ("ProxyActor", "OpenAIIngress", "VLLMEngine", "VLLM::EngineCore", "VLLM::Worker", "ServeController",
          "raylet", "gcs_server")
 
@@ -73,7 +75,8 @@ def percentile(xs: list[float], q: float) -> float:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
-    ap.add_argument("--model", default="tiny-qwen2")
+    ap.add_argument("--model", default=AppArgs.model_fields["served_model_name"].default,
+                    help="served model name (default: the app's default)")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--duration-s", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0, help="offsets the suffixes, so runs do not reuse each other's cache")

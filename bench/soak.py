@@ -33,12 +33,14 @@ from pathlib import Path
 import httpx
 import yaml
 
+from app.config import AppArgs
+from locustfiles.workloads import DEFAULT_TOKEN_RANGE  # token ids the tiny model's tokenizer knows
+
 REPO = Path(__file__).resolve().parent.parent
-VOCAB = (10, 1000)  # token ids the tiny model's tokenizer knows
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(*VOCAB) for _ in range(n)]
+    return [rng.randrange(*DEFAULT_TOKEN_RANGE) for _ in range(n)]
 
 
 class Workloads:
@@ -220,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = yaml.safe_load(args.config.read_text())
     app_cfg = cfg["applications"][0]
-    model = app_cfg["args"].get("served_model_name", "tiny-qwen2")
+    model = app_cfg["args"].get("served_model_name", AppArgs.model_fields["served_model_name"].default)
     from app.config import parse_app_args
 
     cap = parse_app_args(app_cfg.get("args")).router.max_indexed_blocks

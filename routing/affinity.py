@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
+from routing import defaults
 from routing.index import BlockIndex
 from routing.policy import Decision, PolicyConfig, ReplicaView, RoutingRequest, cached_tokens, choose_replica
 from routing.staleness import EventStaleness
@@ -112,8 +113,10 @@ class AffinityRouter:
             prompts to prefill (kept only for the simulator's ablation).
     """
 
-    def __init__(self, index: BlockIndex, *, load_factor: float = 2.0, predicted_ttl_s: float = 2.0,
-                 queued_predicted_ttl_s: float = 600.0, stale_events_s: float = 30.0, rng: random.Random | None = None,
+    def __init__(self, index: BlockIndex, *, load_factor: float = defaults.LOAD_FACTOR,
+                 predicted_ttl_s: float = defaults.PREDICTED_TTL_S,
+                 queued_predicted_ttl_s: float = defaults.QUEUED_PREDICTED_TTL_S,
+                 stale_events_s: float = defaults.STALE_EVENTS_S, rng: random.Random | None = None,
                  policy: PolicyConfig | None = None, release_prefill_at_first_token: bool = True) -> None:
         self.policy = replace(policy or PolicyConfig(), load_epsilon=load_factor - 1.0)
         self.release_prefill_at_first_token = release_prefill_at_first_token

@@ -77,6 +77,7 @@ import xxhash
 
 from app.config import RouterConfig
 from bench.sim.workload import SimRequest
+from routing import defaults
 from routing.affinity import Candidate
 from routing.events import BlockRemoved, BlockStored
 from routing.index import BlockIndex
@@ -301,7 +302,7 @@ class _IndexedPolicy(Policy):
         self._index = self._make_index(ctx)
 
     def _make_index(self, ctx):
-        return BlockIndex(max_blocks=4_000_000)
+        return BlockIndex(max_blocks=defaults.MAX_INDEXED_BLOCKS)
 
     @property
     def index(self):
