@@ -68,6 +68,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from bench.stats import percentile
+
 REPO = Path(__file__).resolve().parent.parent
 
 ROUTERS: dict[str, str | None] = {
@@ -500,16 +502,6 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (``q`` in 0..100); None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(x, nd)
 
@@ -541,12 +533,12 @@ def policy_summary(router: str, out_dir: Path, run_time_s: int, before: dict, af
         "requests": requests,
         "failures": failures,
         "hit_rate": _r(d_cached / d_prompt) if d_prompt else None,
-        "ttft_p50_s": _r(percentile(ttft, 50)),
-        "ttft_p90_s": _r(percentile(ttft, 90)),
-        "ttft_p99_s": _r(percentile(ttft, 99)),
+        "ttft_p50_s": _r(percentile(ttft, 50, None)),
+        "ttft_p90_s": _r(percentile(ttft, 90, None)),
+        "ttft_p99_s": _r(percentile(ttft, 99, None)),
         "throughput_rps": _r(len(ok) / run_time_s, 3),
-        "e2e_p50_s": _r(percentile(e2e_s, 50)),
-        "e2e_p90_s": _r(percentile(e2e_s, 90)),
+        "e2e_p50_s": _r(percentile(e2e_s, 50, None)),
+        "e2e_p90_s": _r(percentile(e2e_s, 90, None)),
         "completed": len(ok),
         "locust_csv_requests": csv_requests,
         "prompt_tokens": d_prompt,

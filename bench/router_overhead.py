@@ -155,6 +155,7 @@ import numpy as np
 import xxhash
 
 from app.config import RouterConfig
+from bench.stats import percentile
 from routing.affinity import Candidate
 from routing.block_keys import ROOT_SEED, block_keys, chain_keys
 from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch
@@ -519,9 +520,10 @@ def bench_ingest(block_size: int, requests: int, capacity: int, core: Any | None
 # ---------------------------------------------------------------------------------------- lookup
 
 
-def _percentile(sorted_ns: list[int], q: float) -> float:
-    """q-quantile of sorted nanosecond samples, in microseconds (nearest rank)."""
-    return round(sorted_ns[min(len(sorted_ns) - 1, int(q * len(sorted_ns)))] / 1000, 1)
+def _percentile_us(samples_ns: list[int], q: float) -> float:
+    """The ``q``-th percentile (0..100, ``bench.stats.percentile``: linear interpolation) of
+    nanosecond samples, in microseconds rounded to 0.1."""
+    return round(percentile(samples_ns, q) / 1000, 1)
 
 
 def prompts(docs: Sequence[Sequence[int]], prompt_len: int, count: int, seed: int) -> Iterator[array]:
@@ -646,20 +648,20 @@ def bench_lookup(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: i
     samples.sort()
     routed_samples.sort()
     result: dict[str, Any] = {
-        "p50": _percentile(samples, 0.50),
-        "p99": _percentile(samples, 0.99),
+        "p50": _percentile_us(samples, 50),
+        "p99": _percentile_us(samples, 99),
         "longest_match_fraction": round(matched_fraction / n, 3),
     }
     if blind_window:
-        result.update(routed_p50=_percentile(routed_samples, 0.50), routed_p99=_percentile(routed_samples, 0.99))
+        result.update(routed_p50=_percentile_us(routed_samples, 50), routed_p99=_percentile_us(routed_samples, 99))
     if dynamo is not None:
         dyn_samples.sort()
         find_samples.sort()
         result["dynamo"] = {
-            "p50": _percentile(dyn_samples, 0.50),
-            "p99": _percentile(dyn_samples, 0.99),
-            "find_matches_p50": _percentile(find_samples, 0.50),
-            "find_matches_p99": _percentile(find_samples, 0.99),
+            "p50": _percentile_us(dyn_samples, 50),
+            "p99": _percentile_us(dyn_samples, 99),
+            "find_matches_p50": _percentile_us(find_samples, 50),
+            "find_matches_p99": _percentile_us(find_samples, 99),
             "longest_match_fraction": round(dyn_fraction / n, 3),
         }
     return result
@@ -706,7 +708,7 @@ def bench_match(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: in
             samples.append(t1 - t0)
     del matched
     samples.sort()
-    return {"p50": _percentile(samples, 0.50), "p99": _percentile(samples, 0.99)}
+    return {"p50": _percentile_us(samples, 50), "p99": _percentile_us(samples, 99)}
 
 
 def _rss_bytes() -> int:

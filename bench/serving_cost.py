@@ -25,6 +25,7 @@ import time
 import httpx
 
 from app.config import AppArgs
+from bench.stats import percentile
 
 KINDS = ("ProxyActor", "OpenAIIngress", "VLLMEngine", "VLLM::EngineCore", "VLLM::Worker", "ServeController",
          "raylet", "gcs_server")
@@ -67,11 +68,6 @@ def one(client: httpx.Client, url: str, model: str, i: int) -> tuple[float, floa
     return (ttft if ttft is not None else e2e), e2e
 
 
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -106,8 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
     n = len(results)
     out = {
         "requests": n, "duration_s": args.duration_s, "concurrency": args.concurrency,
-        "ttft_ms": {q: round(percentile([r[0] for r in results], p) * 1e3, 1) for q, p in (("p50", .5), ("p90", .9))},
-        "e2e_ms": {q: round(percentile([r[1] for r in results], p) * 1e3, 1) for q, p in (("p50", .5), ("p90", .9))},
+        "ttft_ms": {q: round(percentile([r[0] for r in results], p) * 1e3, 1) for q, p in (("p50", 50), ("p90", 90))},
+        "e2e_ms": {q: round(percentile([r[1] for r in results], p) * 1e3, 1) for q, p in (("p50", 50), ("p90", 90))},
         "cpu_ms_per_request": {k: round((after[k] - before.get(k, 0.0)) * 1e3 / max(n, 1), 1) for k in after},
     }
     out["cpu_ms_per_request_total"] = round(sum(out["cpu_ms_per_request"].values()), 1)

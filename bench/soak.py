@@ -34,6 +34,7 @@ import httpx
 import yaml
 
 from app.config import AppArgs
+from bench.stats import percentile
 from locustfiles.workloads import DEFAULT_TOKEN_RANGE  # token ids the tiny model's tokenizer knows
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,13 +113,6 @@ async def _routing(client: httpx.AsyncClient, url: str, headers: dict) -> dict:
     return routers[0] if routers else {}
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 async def soak(url: str, duration_s: float, concurrency: int, seed: int, model: str, cap_blocks: int) -> int:
     key = os.environ.get("PREFIX_SERVE_API_KEY")
     headers = {"authorization": f"Bearer {key}"} if key else {}
@@ -168,7 +162,7 @@ async def soak(url: str, duration_s: float, concurrency: int, seed: int, model: 
     print(f"errors              {len(out['errors'])}")
     for e in out["errors"][:5]:
         print(f"   {e}")
-    print(f"TTFT                p50 {_pct(out['ttft'], 0.5) * 1e3:.0f} ms   p99 {_pct(out['ttft'], 0.99) * 1e3:.0f} ms")
+    print(f"TTFT                p50 {percentile(out['ttft'], 50) * 1e3:.0f} ms   p99 {percentile(out['ttft'], 99) * 1e3:.0f} ms")
     print(f"index               max {max_blocks} blocks (cap {cap_blocks}), {index_bytes / 1e6:.2f} MB now"
           f"  -> {'within cap' if within_cap else 'OVER CAP'}")
     print(f"routing overhead    first minute p99 {first_minute.get('p99')} us ({first_minute.get('count')} decisions), "

@@ -96,13 +96,6 @@ def test_ray_router_sees_token_ids_as_text_with_the_salt():
     assert token_text(EngineRequest("r", [5, 6, 7, 8], None)).startswith(token_text(EngineRequest("r", [5, 6], None)))
 
 
-def test_percentile_interpolates():
-    assert ab.percentile([], 50) is None
-    assert ab.percentile([3.0], 99) == 3.0
-    assert ab.percentile([1, 2, 3, 4], 50) == 2.5
-    assert ab.percentile(list(range(101)), 90) == 90
-
-
 def _write_stats(path: Path, rows: list[dict]) -> None:
     cols = ["Type", "Name", "Request Count", "Failure Count", "Requests/s"]
     with open(path, "w", newline="", encoding="utf-8") as f:

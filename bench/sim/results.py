@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from bench.sim.cluster import PolicyRun
+from bench.stats import percentile
 
 __all__ = ["summarize", "weighted_quantile"]
 
@@ -38,10 +39,6 @@ def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> floa
     return float(v[min(i, len(v) - 1)])
 
 
-def _pct(x: np.ndarray, q: float) -> float:
-    return float(np.percentile(x, q)) if len(x) else float("nan")
-
-
 def summarize(run: PolicyRun) -> dict[str, Any]:
     """The JSON block ``policies.<name>`` of one run."""
     prompt = int(run.prompt_tokens.sum())
@@ -53,16 +50,16 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
     e2e = run.finish_s - run.arrival_s
     return {
         "hit_rate": hit / prompt if prompt else 0.0,
-        "ttft_p50_s": _pct(ttft, 50),
-        "ttft_p90_s": _pct(ttft, 90),
-        "ttft_p99_s": _pct(ttft, 99),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p99_s": percentile(ttft, 99),
         "itl_p50_s": weighted_quantile(run.itl_s, run.itl_weight, 0.50),
         "itl_p99_s": weighted_quantile(run.itl_s, run.itl_weight, 0.99),
         "throughput_tok_s": out_tokens / span if span > 0 else 0.0,
         "load_imbalance": float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
         "ttft_mean_s": float(ttft.mean()) if len(ttft) else float("nan"),
-        "e2e_p50_s": _pct(e2e, 50),
-        "e2e_p90_s": _pct(e2e, 90),
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p90_s": percentile(e2e, 90),
         "requests": int(len(ttft)),
         "rejected": run.rejected,
         "prompt_tokens": prompt,
