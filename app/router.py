@@ -336,7 +336,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         metrics.EVENT_PATH_ALIVE.set(1 if self.subscriber.alive() else 0)
         for kind, value in dict(self.subscriber.stats).items():
             metrics.EVENT_COUNTERS.labels(kind=kind).set(value)
-        for kind in ("unknown_replica_events", "unknown_removed", "duplicate_keys", "over_capacity_keys"):
+        for kind in ("unknown_replica_events", "unknown_removed", "duplicate_keys", "over_capacity_keys",
+                     "replicas_refused"):
             metrics.EVENT_COUNTERS.labels(kind=f"index_{kind}").set(index_stats[kind])
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:

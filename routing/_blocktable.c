@@ -1,42 +1,45 @@
 /*
- * routing._blocktable: the block index's key -> holders map, in C.
+ * routing._blocktable: the block index's tables, in C.
  *
- * BlockTable maps a 64-bit block key (routing.block_keys) to a Python int
- * (the bit mask of the replicas holding the block).  It is an
- * open-addressing hash table with linear probing and backward-shift
- * deletion: each entry is one 16-byte slot {key, mask pointer | flag}, so a
- * probe touches one cache line instead of a dict's index, entry and key
- * object (about three cache misses a lookup in a dict of 10^5 int keys).
- * walk() runs a prompt's whole lookup in C and prefetches the slots of the
- * keys ahead of the one being compared; add() and remove() fold one relay
- * key event in (keys as uint64 bytes, no Python int made a key), and
- * clear_bit() drops a replica in one pass.
+ * One generic open-addressing hash table (linear probing, backward-shift
+ * deletion, load factor at most 1/2, 24-byte slots) serves two kinds of
+ * entry:
  *
- * Predictions maps (block key, replica slot) to the expiry of that replica's
- * blind-window prediction (24-byte slots, same probing); BlockTable.predict()
- * and BlockTable.expire() keep it and the masks in step.
+ *   HOLDERS    block key -> mask of the replicas holding the block (really or
+ *              by prediction): a fixed-width bitmask of MAX_REPLICAS bits, so
+ *              the hot structure holds no Python objects and no reference
+ *              counts.  A key without holders is erased, so "occupied" is
+ *              "mask not zero".
+ *   PREDICTED  (block key, replica slot) -> expiry of that replica's
+ *              blind-window prediction of the block.  The slot is stored + 1,
+ *              so "occupied" is "replica field not zero".
  *
- * Slots are placed by fmix64(key ^ seed) (MurmurHash3's 64-bit finaliser);
- * the caller passes a random seed so that prompts cannot be crafted to pile
- * up in one probe run.  The load factor stays at or below 1/2.
+ * The kind is a constant argument of the table's functions (find, reserve,
+ * erase, insert); the compiler specialises each call.  Slots are placed by
+ * fmix64(key ^ tag * GOLDEN ^ seed) (MurmurHash3's 64-bit finaliser; tag 0 for
+ * HOLDERS, replica slot + 1 for PREDICTED); the caller passes a random seed so
+ * that prompts cannot be crafted to pile up in one probe run.
  *
- * Values must be exact ints (masks): ints hold no references, so the table
- * needs no cyclic-GC support.  Not thread-safe beyond the GIL.
+ * The Python type BlockTable owns one table of each kind and keeps them in
+ * step (a replica's bit is in a key's mask by prediction exactly when the
+ * PREDICTED table has that (key, replica)): walk() runs a prompt's whole
+ * lookup, add() / remove() fold one relay key event in (keys as uint64 bytes
+ * or ints), predict() / expire() keep the blind window, clear_replica() drops
+ * a replica.  Every method converts and checks its arguments and reserves
+ * the room it may need before it changes anything, so a method that raises
+ * leaves both tables as they were; no method runs Python code while it holds
+ * a slot index.  Not thread-safe beyond the GIL.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
-typedef struct {
-    uint64_t key;
-    uintptr_t value; /* PyObject * | REF_BIT; 0 = empty slot */
-} Slot;
-
-#define REF_BIT ((uintptr_t)1)
-#define SLOT_MASK(s) ((PyObject *)((s)->value & ~REF_BIT))
+#define MASK_WORDS 2
+#define MAX_REPLICAS (64 * MASK_WORDS)
 #define MIN_CAPACITY 64
 #define PREFETCH_AHEAD 8
+#define GOLDEN 0x9E3779B97F4A7C15ULL
 
 #if defined(__GNUC__) || defined(__clang__)
 #define PREFETCH(p) __builtin_prefetch((p), 0, 1)
@@ -44,18 +47,131 @@ typedef struct {
 #define PREFETCH(p) ((void)(p))
 #endif
 
+static PyObject *SIXTY_FOUR; /* the int 64, for mask <-> int conversions */
+
+/* ------------------------------------------------------------------ masks */
+
 typedef struct {
-    PyObject_HEAD
+    uint64_t w[MASK_WORDS];
+} Mask;
+
+static inline int
+mask_any(Mask m)
+{
+    return (m.w[0] | m.w[1]) != 0;
+}
+
+static inline int
+mask_eq(Mask a, Mask b)
+{
+    return a.w[0] == b.w[0] && a.w[1] == b.w[1];
+}
+
+static inline Mask
+mask_and(Mask a, Mask b)
+{
+    return (Mask){{a.w[0] & b.w[0], a.w[1] & b.w[1]}};
+}
+
+static inline Mask
+mask_xor(Mask a, Mask b)
+{
+    return (Mask){{a.w[0] ^ b.w[0], a.w[1] ^ b.w[1]}};
+}
+
+static inline int
+mask_has(Mask m, uint32_t replica)
+{
+    return (int)((m.w[replica >> 6] >> (replica & 63)) & 1);
+}
+
+static inline void
+mask_set(Mask *m, uint32_t replica)
+{
+    m->w[replica >> 6] |= (uint64_t)1 << (replica & 63);
+}
+
+static inline void
+mask_clear(Mask *m, uint32_t replica)
+{
+    m->w[replica >> 6] &= ~((uint64_t)1 << (replica & 63));
+}
+
+/* A Python int in [0, 2**MAX_REPLICAS) -> Mask; -1 with TypeError / OverflowError. */
+static int
+mask_from_int(PyObject *obj, Mask *out)
+{
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "a replica mask must be an int, not %.100s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    unsigned long long low = PyLong_AsUnsignedLongLong(obj);
+    if (!(low == (unsigned long long)-1 && PyErr_Occurred())) {
+        *out = (Mask){{(uint64_t)low, 0}};
+        return 0;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+        return -1;
+    PyErr_Clear(); /* negative, or wider than 64 bits */
+    PyObject *high_obj = PyNumber_Rshift(obj, SIXTY_FOUR);
+    if (high_obj == NULL)
+        return -1;
+    unsigned long long high = PyLong_AsUnsignedLongLong(high_obj); /* negative or too wide: OverflowError */
+    Py_DECREF(high_obj);
+    if (high == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_OverflowError, "a replica mask must be in [0, 2**%d)", MAX_REPLICAS);
+        }
+        return -1;
+    }
+    out->w[0] = (uint64_t)PyLong_AsUnsignedLongLongMask(obj);
+    out->w[1] = (uint64_t)high;
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject *
+mask_to_int(Mask m)
+{
+    if (m.w[1] == 0)
+        return PyLong_FromUnsignedLongLong(m.w[0]);
+    PyObject *high = PyLong_FromUnsignedLongLong(m.w[1]);
+    PyObject *low = PyLong_FromUnsignedLongLong(m.w[0]);
+    PyObject *shifted = high ? PyNumber_Lshift(high, SIXTY_FOUR) : NULL;
+    PyObject *both = (shifted && low) ? PyNumber_Or(shifted, low) : NULL;
+    Py_XDECREF(high);
+    Py_XDECREF(low);
+    Py_XDECREF(shifted);
+    return both;
+}
+
+/* ------------------------------------------------------------------ the generic table */
+
+typedef enum { HOLDERS, PREDICTED } Kind;
+
+typedef struct {
+    uint64_t key;
+    union {
+        Mask holders; /* HOLDERS: the replicas holding the key; never all zero in an occupied slot */
+        struct {
+            uint64_t replica1; /* PREDICTED: replica slot + 1; 0 = empty slot */
+            double until;      /* expiry, seconds on the caller's clock */
+        } predicted;
+    } v;
+} Slot;
+
+_Static_assert(sizeof(Slot) == 24, "a slot is 24 bytes");
+
+typedef struct {
     Slot *slots;
     size_t capacity_mask; /* capacity - 1, capacity a power of two */
-    Py_ssize_t used;
+    size_t used;
     uint64_t seed;
-} BlockTable;
+} Table;
 
 static inline uint64_t
-home_of(uint64_t key, uint64_t seed)
+fmix64(uint64_t k)
 {
-    uint64_t k = key ^ seed;
     k ^= k >> 33;
     k *= 0xff51afd7ed558ccdULL;
     k ^= k >> 33;
@@ -64,52 +180,105 @@ home_of(uint64_t key, uint64_t seed)
     return k;
 }
 
-/* Index of key's slot, or of the empty slot where it would go. */
 static inline size_t
-find(const BlockTable *t, uint64_t key)
+home(const Table *t, uint64_t key, uint64_t tag)
 {
-    size_t m = t->capacity_mask;
-    size_t i = (size_t)home_of(key, t->seed) & m;
+    return (size_t)fmix64(key ^ (tag * GOLDEN) ^ t->seed) & t->capacity_mask;
+}
+
+static inline uint64_t
+tag_of(Kind kind, const Slot *s)
+{
+    return kind == HOLDERS ? 0 : s->v.predicted.replica1;
+}
+
+static inline int
+occupied(Kind kind, const Slot *s)
+{
+    return kind == HOLDERS ? mask_any(s->v.holders) : s->v.predicted.replica1 != 0;
+}
+
+/* Index of (key, tag)'s slot, or of the empty slot where it would go. */
+static inline size_t
+find(Kind kind, const Table *t, uint64_t key, uint64_t tag)
+{
+    size_t i = home(t, key, tag);
     for (;;) {
         const Slot *s = &t->slots[i];
-        if (s->value == 0 || s->key == key)
+        if (!occupied(kind, s) || (s->key == key && tag_of(kind, s) == tag))
             return i;
-        i = (i + 1) & m;
+        i = (i + 1) & t->capacity_mask;
     }
 }
 
 static int
-resize(BlockTable *t, size_t capacity)
+table_init(Table *t, uint64_t seed)
 {
+    t->slots = PyMem_Calloc(MIN_CAPACITY, sizeof(Slot));
+    if (t->slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    t->capacity_mask = MIN_CAPACITY - 1;
+    t->used = 0;
+    t->seed = seed;
+    return 0;
+}
+
+/* Grow so that `more` inserts keep the load factor at or below 1/2; 0, or -1 with MemoryError
+ * (the table unchanged).  Inserts never grow the table: every method reserves first. */
+static int
+reserve(Kind kind, Table *t, size_t more)
+{
+    size_t capacity = t->capacity_mask + 1;
+    if (more > (SIZE_MAX / sizeof(Slot)) / 4 - t->used) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t need = (t->used + more) * 2;
+    if (need <= capacity)
+        return 0;
+    while (capacity < need)
+        capacity *= 2;
     Slot *fresh = PyMem_Calloc(capacity, sizeof(Slot));
     if (fresh == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     Slot *old = t->slots;
-    size_t old_capacity = old ? t->capacity_mask + 1 : 0;
+    size_t old_capacity = t->capacity_mask + 1;
     t->slots = fresh;
     t->capacity_mask = capacity - 1;
     for (size_t j = 0; j < old_capacity; j++) {
-        if (old[j].value)
-            t->slots[find(t, old[j].key)] = old[j];
+        if (occupied(kind, &old[j]))
+            t->slots[find(kind, t, old[j].key, tag_of(kind, &old[j]))] = old[j];
     }
     PyMem_Free(old);
     return 0;
 }
 
-/* Remove the entry in occupied slot i (its reference already handled). */
+/* Claim the empty slot i (from find) for key; the caller fills the value.  Room was reserved. */
+static inline Slot *
+insert_at(Table *t, size_t i, uint64_t key)
+{
+    Slot *s = &t->slots[i];
+    s->key = key;
+    t->used++;
+    return s;
+}
+
+/* Remove the entry in occupied slot i, shifting later entries of its probe run back. */
 static void
-erase(BlockTable *t, size_t i)
+erase(Kind kind, Table *t, size_t i)
 {
     size_t m = t->capacity_mask;
     size_t j = i;
     for (;;) {
         j = (j + 1) & m;
         Slot *s = &t->slots[j];
-        if (s->value == 0)
+        if (!occupied(kind, s))
             break;
-        size_t h = (size_t)home_of(s->key, t->seed) & m;
+        size_t h = home(t, s->key, tag_of(kind, s));
         /* The entry at j may fill the hole at i unless its home lies in (i, j]. */
         int stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
         if (!stays) {
@@ -117,117 +286,17 @@ erase(BlockTable *t, size_t i)
             i = j;
         }
     }
-    t->slots[i].key = 0;
-    t->slots[i].value = 0;
+    memset(&t->slots[i], 0, sizeof(Slot));
     t->used--;
 }
 
-/* Insert an absent key (slot i was returned by find) with a borrowed mask; may resize. */
-static int
-insert_at(BlockTable *t, size_t i, uint64_t key, PyObject *mask)
+static size_t
+table_bytes(const Table *t)
 {
-    if ((size_t)(t->used + 1) * 2 > t->capacity_mask + 1) {
-        if (resize(t, (t->capacity_mask + 1) * 2) < 0)
-            return -1;
-        i = find(t, key);
-    }
-    t->slots[i].key = key;
-    t->slots[i].value = (uintptr_t)Py_NewRef(mask);
-    t->used++;
-    return 0;
+    return (t->capacity_mask + 1) * sizeof(Slot);
 }
 
-/* 1 if key's mask has a bit of `bit`, 0 if not (or key absent), -1 on error. */
-static int
-has_bit(BlockTable *t, uint64_t key, PyObject *bit)
-{
-    Slot *s = &t->slots[find(t, key)];
-    if (!s->value)
-        return 0;
-    PyObject *both = PyNumber_And(SLOT_MASK(s), bit);
-    if (both == NULL)
-        return -1;
-    int has = PyObject_IsTrue(both);
-    Py_DECREF(both);
-    return has;
-}
-
-/* key's mask |= bit (inserting key if absent), the result interned in `masks`. */
-/* masks.setdefault(m, m) (borrowed), refusing anything but an exact int. */
-static PyObject *
-intern_mask(PyObject *masks, PyObject *m)
-{
-    PyObject *interned = PyDict_SetDefault(masks, m, m);
-    if (interned != NULL && !PyLong_CheckExact(interned)) {
-        PyErr_SetString(PyExc_TypeError, "masks must map ints to themselves");
-        return NULL;
-    }
-    return interned;
-}
-
-static int
-or_bit(BlockTable *t, uint64_t key, PyObject *bit, PyObject *masks)
-{
-    size_t j = find(t, key);
-    Slot *s = &t->slots[j];
-    PyObject *grown = s->value ? PyNumber_Or(SLOT_MASK(s), bit) : Py_NewRef(bit);
-    if (grown == NULL)
-        return -1;
-    PyObject *interned = intern_mask(masks, grown); /* borrowed */
-    Py_DECREF(grown);
-    if (interned == NULL)
-        return -1;
-    j = find(t, key); /* the dict call may have run Python code: look the slot up again */
-    s = &t->slots[j];
-    if (!s->value)
-        return insert_at(t, j, key, interned);
-    PyObject *old = SLOT_MASK(s);
-    s->value = (uintptr_t)Py_NewRef(interned) | (s->value & REF_BIT);
-    Py_DECREF(old);
-    return 0;
-}
-
-/* key's mask &= not_bit (~bit), interned; the key goes when no bit is left. */
-static int
-clear_bit(BlockTable *t, uint64_t key, PyObject *bit, PyObject *not_bit, PyObject *masks)
-{
-    size_t j = find(t, key);
-    Slot *s = &t->slots[j];
-    if (!s->value)
-        return 0;
-    PyObject *old = SLOT_MASK(s);
-    int only = PyObject_RichCompareBool(old, bit, Py_EQ); /* the common case: no other holder */
-    if (only < 0)
-        return -1;
-    if (only) {
-        erase(t, j);
-        Py_DECREF(old);
-        return 0;
-    }
-    PyObject *rest = PyNumber_And(old, not_bit);
-    if (rest == NULL)
-        return -1;
-    int any = PyObject_IsTrue(rest);
-    if (any <= 0) {
-        Py_DECREF(rest);
-        if (any < 0)
-            return -1;
-        erase(t, j);
-        Py_DECREF(old);
-        return 0;
-    }
-    PyObject *interned = intern_mask(masks, rest); /* borrowed */
-    Py_DECREF(rest);
-    if (interned == NULL)
-        return -1;
-    s = &t->slots[find(t, key)]; /* the dict call may have run Python code: look the slot up again */
-    if (!s->value)
-        return 0;
-    old = SLOT_MASK(s);
-    s->value = (uintptr_t)Py_NewRef(interned) | (s->value & REF_BIT);
-    Py_DECREF(old);
-    return 0;
-}
+/* ------------------------------------------------------------------ arguments */
 
 static int
 check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t least, Py_ssize_t most)
@@ -259,687 +328,37 @@ key_of(PyObject *obj, uint64_t *out)
     return 0;
 }
 
-/* ------------------------------------------------------------------ type */
-
-static PyObject *
-BlockTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
-{
-    static char *kwlist[] = {"seed", NULL};
-    unsigned long long seed = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|K:BlockTable", kwlist, &seed))
-        return NULL;
-    BlockTable *t = (BlockTable *)type->tp_alloc(type, 0);
-    if (t == NULL)
-        return NULL;
-    t->seed = (uint64_t)seed;
-    t->used = 0;
-    t->slots = NULL;
-    if (resize(t, MIN_CAPACITY) < 0) {
-        Py_DECREF(t);
-        return NULL;
-    }
-    return (PyObject *)t;
-}
-
-static void
-release_all(BlockTable *t)
-{
-    if (t->slots == NULL)
-        return;
-    size_t capacity = t->capacity_mask + 1;
-    for (size_t j = 0; j < capacity; j++) {
-        if (t->slots[j].value) {
-            PyObject *v = SLOT_MASK(&t->slots[j]);
-            t->slots[j].value = 0;
-            Py_DECREF(v);
-        }
-    }
-    t->used = 0;
-}
-
-static void
-BlockTable_dealloc(BlockTable *t)
-{
-    release_all(t);
-    PyMem_Free(t->slots);
-    Py_TYPE(t)->tp_free((PyObject *)t);
-}
-
-static Py_ssize_t
-BlockTable_len(BlockTable *t)
-{
-    return t->used;
-}
-
-static PyObject *
-lookup(BlockTable *t, PyObject *key_obj)
-{
-    uint64_t key;
-    if (key_of(key_obj, &key) < 0)
-        return NULL;
-    Slot *s = &t->slots[find(t, key)];
-    return s->value ? SLOT_MASK(s) : NULL; /* borrowed */
-}
-
-static PyObject *
-BlockTable_subscript(BlockTable *t, PyObject *key_obj)
-{
-    PyObject *v = lookup(t, key_obj);
-    if (v == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetObject(PyExc_KeyError, key_obj);
-        return NULL;
-    }
-    return Py_NewRef(v);
-}
-
-static int
-BlockTable_ass_subscript(BlockTable *t, PyObject *key_obj, PyObject *value)
-{
-    uint64_t key;
-    if (key_of(key_obj, &key) < 0)
-        return -1;
-    size_t i = find(t, key);
-    Slot *s = &t->slots[i];
-    if (value == NULL) {
-        if (!s->value) {
-            PyErr_SetObject(PyExc_KeyError, key_obj);
-            return -1;
-        }
-        PyObject *old = SLOT_MASK(s);
-        erase(t, i);
-        Py_DECREF(old);
-        return 0;
-    }
-    if (!PyLong_CheckExact(value)) {
-        PyErr_Format(PyExc_TypeError, "BlockTable values must be int masks, not %.100s", Py_TYPE(value)->tp_name);
-        return -1;
-    }
-    if (s->value) { /* replace the mask, keep the referenced flag */
-        PyObject *old = SLOT_MASK(s);
-        s->value = (uintptr_t)Py_NewRef(value) | (s->value & REF_BIT);
-        Py_DECREF(old);
-        return 0;
-    }
-    return insert_at(t, i, key, value);
-}
-
-static int
-BlockTable_contains(BlockTable *t, PyObject *key_obj)
-{
-    PyObject *v = lookup(t, key_obj);
-    if (v == NULL)
-        return PyErr_Occurred() ? -1 : 0;
-    return 1;
-}
-
-PyDoc_STRVAR(get_doc, "get(key, default=None, /)\n--\n\nThe mask of ``key``, or ``default`` when absent.");
-
-static PyObject *
-BlockTable_get(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (!check_nargs("get", nargs, 1, 2))
-        return NULL;
-    PyObject *v = lookup(t, args[0]);
-    if (v == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
-        v = nargs > 1 ? args[1] : Py_None;
-    }
-    return Py_NewRef(v);
-}
-
-PyDoc_STRVAR(pop_doc, "pop(key, default, /)\n--\n\nRemove ``key`` and return its mask, or ``default`` when absent.");
-
-static PyObject *
-BlockTable_pop(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (!check_nargs("pop", nargs, 2, 2))
-        return NULL;
-    uint64_t key;
-    if (key_of(args[0], &key) < 0)
-        return NULL;
-    size_t i = find(t, key);
-    Slot *s = &t->slots[i];
-    if (!s->value)
-        return Py_NewRef(args[1]);
-    PyObject *v = SLOT_MASK(s); /* the table's reference passes to the caller */
-    erase(t, i);
-    return v;
-}
-
-PyDoc_STRVAR(clear_doc, "clear()\n--\n\nRemove every entry.");
-
-static PyObject *
-BlockTable_clear(BlockTable *t, PyObject *Py_UNUSED(ignored))
-{
-    Slot *fresh = PyMem_Calloc(MIN_CAPACITY, sizeof(Slot));
-    if (fresh == NULL)
-        return PyErr_NoMemory();
-    release_all(t);
-    PyMem_Free(t->slots);
-    t->slots = fresh;
-    t->capacity_mask = MIN_CAPACITY - 1;
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(memory_bytes_doc,
-             "memory_bytes()\n--\n\nBytes of the table's object and slot array (masks are shared ints, not counted).");
-
-static PyObject *
-BlockTable_memory_bytes(BlockTable *t, PyObject *Py_UNUSED(ignored))
-{
-    return PyLong_FromSize_t(sizeof(BlockTable) + (t->capacity_mask + 1) * sizeof(Slot));
-}
-
-PyDoc_STRVAR(walk_doc,
-             "walk(keys, alive, /)\n--\n\n"
-             "Follow ``keys`` (a prompt's block keys, in order) while some replica of the\n"
-             "mask ``alive`` holds every block so far.\n\n"
-             "Returns ``(drops, end)``: ``drops`` lists ``(i, bits)`` in order, ``bits`` the\n"
-             "replicas of ``alive`` that hold ``keys[:i]`` but not ``keys[i]`` (``i ==\n"
-             "len(keys)`` for those that hold every key); ``end`` is the longest match.");
-
-static PyObject *
-BlockTable_walk(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (!check_nargs("walk", nargs, 2, 2))
-        return NULL;
-    PyObject *alive = args[1];
-    if (!PyLong_CheckExact(alive)) {
-        PyErr_SetString(PyExc_TypeError, "alive must be an int mask");
-        return NULL;
-    }
-    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence of ints");
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *drops = PyList_New(0);
-    uint64_t *keys = PyMem_Malloc((n ? n : 1) * sizeof(uint64_t));
-    size_t *where = PyMem_Malloc((n ? n : 1) * sizeof(size_t));
-    PyObject *result = NULL;
-    Py_INCREF(alive);
-    if (drops == NULL || keys == NULL || where == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    size_t m = t->capacity_mask;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (key_of(items[i], &keys[i]) < 0)
-            goto done;
-        where[i] = (size_t)home_of(keys[i], t->seed) & m;
-    }
-    for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++)
-        PREFETCH(&t->slots[where[i]]);
-
-    Py_ssize_t end = n;
-    PyObject *last = NULL; /* borrowed: the mask of the previous block */
-    int alive_nonzero = PyObject_IsTrue(alive);
-    if (alive_nonzero <= 0) {
-        end = 0;
-        if (alive_nonzero < 0)
-            goto done;
-    }
-    for (Py_ssize_t i = 0; i < n && alive_nonzero; i++) {
-        if (i + PREFETCH_AHEAD < n)
-            PREFETCH(&t->slots[where[i + PREFETCH_AHEAD]]);
-        size_t j = where[i];
-        uint64_t key = keys[i];
-        while (t->slots[j].value && t->slots[j].key != key)
-            j = (j + 1) & m;
-        where[i] = j;
-        PyObject *mask = t->slots[j].value ? SLOT_MASK(&t->slots[j]) : NULL;
-        if (mask != NULL && mask == last)
-            continue; /* a run of blocks with the same holders: nothing drops */
-        last = mask;
-        PyObject *held = mask ? PyNumber_And(mask, alive) : PyLong_FromLong(0);
-        if (held == NULL)
-            goto done;
-        int same = PyObject_RichCompareBool(held, alive, Py_EQ);
-        if (same < 0) {
-            Py_DECREF(held);
-            goto done;
-        }
-        if (same) {
-            Py_DECREF(held);
-            continue;
-        }
-        PyObject *dropped = PyNumber_Xor(alive, held);
-        PyObject *entry = dropped ? Py_BuildValue("(nN)", i, dropped) : NULL;
-        if (entry == NULL || PyList_Append(drops, entry) < 0) {
-            Py_XDECREF(entry);
-            Py_DECREF(held);
-            goto done;
-        }
-        Py_DECREF(entry);
-        Py_DECREF(alive);
-        alive = held;
-        alive_nonzero = PyObject_IsTrue(alive);
-        if (alive_nonzero < 0)
-            goto done;
-        if (!alive_nonzero)
-            end = i;
-    }
-    if (alive_nonzero) {
-        PyObject *entry = Py_BuildValue("(nO)", n, alive);
-        if (entry == NULL || PyList_Append(drops, entry) < 0) {
-            Py_XDECREF(entry);
-            goto done;
-        }
-        Py_DECREF(entry);
-    }
-    result = Py_BuildValue("(On)", drops, end);
-done:
-    Py_DECREF(alive);
-    Py_XDECREF(drops);
-    Py_DECREF(seq);
-    PyMem_Free(keys);
-    PyMem_Free(where);
-    return result;
-}
-
-/* ------------------------------------------------------------ predictions */
-
-/* (block key, replica slot) -> expiry of that replica's prediction of the block. */
-typedef struct {
-    uint64_t key;
-    uint32_t replica;
-    uint32_t occupied;
-    double until;
-} PSlot;
-
-typedef struct {
-    PyObject_HEAD
-    PSlot *slots;
-    size_t capacity_mask;
-    Py_ssize_t used;
-    uint64_t seed;
-} Predictions;
-
-static PyTypeObject PredictionsType;
-
-static inline size_t
-p_home(const Predictions *p, uint64_t key, uint32_t replica)
-{
-    return (size_t)home_of(key ^ ((uint64_t)(replica + 1) * 0x9E3779B97F4A7C15ULL), p->seed) & p->capacity_mask;
-}
-
-static inline size_t
-p_find(const Predictions *p, uint64_t key, uint32_t replica)
-{
-    size_t i = p_home(p, key, replica);
-    for (;;) {
-        const PSlot *s = &p->slots[i];
-        if (!s->occupied || (s->key == key && s->replica == replica))
-            return i;
-        i = (i + 1) & p->capacity_mask;
-    }
-}
-
-static int
-p_resize(Predictions *p, size_t capacity)
-{
-    PSlot *fresh = PyMem_Calloc(capacity, sizeof(PSlot));
-    if (fresh == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    PSlot *old = p->slots;
-    size_t old_capacity = old ? p->capacity_mask + 1 : 0;
-    p->slots = fresh;
-    p->capacity_mask = capacity - 1;
-    for (size_t j = 0; j < old_capacity; j++) {
-        if (old[j].occupied)
-            p->slots[p_find(p, old[j].key, old[j].replica)] = old[j];
-    }
-    PyMem_Free(old);
-    return 0;
-}
-
-static void
-p_erase(Predictions *p, size_t i)
-{
-    size_t m = p->capacity_mask;
-    size_t j = i;
-    for (;;) {
-        j = (j + 1) & m;
-        PSlot *s = &p->slots[j];
-        if (!s->occupied)
-            break;
-        size_t h = p_home(p, s->key, s->replica);
-        int stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
-        if (!stays) {
-            p->slots[i] = *s;
-            i = j;
-        }
-    }
-    memset(&p->slots[i], 0, sizeof(PSlot));
-    p->used--;
-}
-
-/* Set (key, replica) -> until; 1 if it was new, 0 if extended, -1 on error. */
-static int
-p_set(Predictions *p, uint64_t key, uint32_t replica, double until)
-{
-    size_t i = p_find(p, key, replica);
-    if (p->slots[i].occupied) {
-        p->slots[i].until = until;
-        return 0;
-    }
-    if ((size_t)(p->used + 1) * 2 > p->capacity_mask + 1) {
-        if (p_resize(p, (p->capacity_mask + 1) * 2) < 0)
-            return -1;
-        i = p_find(p, key, replica);
-    }
-    p->slots[i].key = key;
-    p->slots[i].replica = replica;
-    p->slots[i].occupied = 1;
-    p->slots[i].until = until;
-    p->used++;
-    return 1;
-}
-
-static PyObject *
-Predictions_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
-{
-    static char *kwlist[] = {"seed", NULL};
-    unsigned long long seed = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|K:Predictions", kwlist, &seed))
-        return NULL;
-    Predictions *p = (Predictions *)type->tp_alloc(type, 0);
-    if (p == NULL)
-        return NULL;
-    p->seed = (uint64_t)seed;
-    p->slots = NULL;
-    p->used = 0;
-    if (p_resize(p, MIN_CAPACITY) < 0) {
-        Py_DECREF(p);
-        return NULL;
-    }
-    return (PyObject *)p;
-}
-
-static void
-Predictions_dealloc(Predictions *p)
-{
-    PyMem_Free(p->slots);
-    Py_TYPE(p)->tp_free((PyObject *)p);
-}
-
-static Py_ssize_t
-Predictions_len(Predictions *p)
-{
-    return p->used;
-}
-
 static int
 replica_of(PyObject *obj, uint32_t *out)
 {
-    unsigned long v = PyLong_AsUnsignedLong(obj);
-    if (v == (unsigned long)-1 && PyErr_Occurred())
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "replica slot must be an int, not %.100s", Py_TYPE(obj)->tp_name);
         return -1;
-    if (v > UINT32_MAX - 1) {
-        PyErr_SetString(PyExc_OverflowError, "replica slot out of range");
+    }
+    long v = PyLong_AsLong(obj);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (v < 0 || v >= MAX_REPLICAS) {
+        PyErr_Format(PyExc_OverflowError, "replica slot must be in [0, %d), got %ld", MAX_REPLICAS, v);
         return -1;
     }
     *out = (uint32_t)v;
     return 0;
 }
 
-PyDoc_STRVAR(p_until_doc, "until(key, replica, /)\n--\n\nExpiry of ``replica``'s prediction of ``key``, or None.");
-
-static PyObject *
-Predictions_until(Predictions *p, PyObject *const *args, Py_ssize_t nargs)
-{
-    uint64_t key;
-    uint32_t replica;
-    if (!check_nargs("until", nargs, 2, 2) || key_of(args[0], &key) < 0 || replica_of(args[1], &replica) < 0)
-        return NULL;
-    PSlot *s = &p->slots[p_find(p, key, replica)];
-    if (!s->occupied)
-        Py_RETURN_NONE;
-    return PyFloat_FromDouble(s->until);
-}
-
-PyDoc_STRVAR(p_discard_doc,
-             "discard(key, replica, /)\n--\n\nForget ``replica``'s prediction of ``key``; True if there was one.");
-
-static PyObject *
-Predictions_discard(Predictions *p, PyObject *const *args, Py_ssize_t nargs)
-{
-    uint64_t key;
-    uint32_t replica;
-    if (!check_nargs("discard", nargs, 2, 2) || key_of(args[0], &key) < 0 || replica_of(args[1], &replica) < 0)
-        return NULL;
-    size_t i = p_find(p, key, replica);
-    if (!p->slots[i].occupied)
-        Py_RETURN_FALSE;
-    p_erase(p, i);
-    Py_RETURN_TRUE;
-}
-
-PyDoc_STRVAR(p_clear_replica_doc,
-             "clear_replica(replica, /)\n--\n\nForget every prediction of ``replica``; returns their keys (a list).\n"
-             "Scans the whole table: for rare events (a replica cleared or gone).");
-
-static PyObject *
-Predictions_clear_replica(Predictions *p, PyObject *arg)
-{
-    uint32_t replica;
-    if (replica_of(arg, &replica) < 0)
-        return NULL;
-    PyObject *keys = PyList_New(0);
-    if (keys == NULL)
-        return NULL;
-    size_t capacity = p->capacity_mask + 1;
-    for (size_t j = 0; j < capacity; j++) {
-        if (!p->slots[j].occupied || p->slots[j].replica != replica)
-            continue;
-        PyObject *k = PyLong_FromUnsignedLongLong(p->slots[j].key);
-        if (k == NULL || PyList_Append(keys, k) < 0) {
-            Py_XDECREF(k);
-            Py_DECREF(keys);
-            return NULL;
-        }
-        Py_DECREF(k);
-    }
-    /* Erase after collecting: backward shifts move entries, so scan-and-erase could skip some. */
-    Py_ssize_t n = PyList_GET_SIZE(keys);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t key = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(keys, i));
-        size_t at = p_find(p, key, replica);
-        if (p->slots[at].occupied)
-            p_erase(p, at);
-    }
-    return keys;
-}
-
-PyDoc_STRVAR(p_memory_bytes_doc, "memory_bytes()\n--\n\nBytes of the object and its slot array.");
-
-static PyObject *
-Predictions_memory_bytes(Predictions *p, PyObject *Py_UNUSED(ignored))
-{
-    return PyLong_FromSize_t(sizeof(Predictions) + (p->capacity_mask + 1) * sizeof(PSlot));
-}
-
-static PyMethodDef Predictions_methods[] = {
-    {"until", (PyCFunction)(void (*)(void))Predictions_until, METH_FASTCALL, p_until_doc},
-    {"discard", (PyCFunction)(void (*)(void))Predictions_discard, METH_FASTCALL, p_discard_doc},
-    {"clear_replica", (PyCFunction)Predictions_clear_replica, METH_O, p_clear_replica_doc},
-    {"memory_bytes", (PyCFunction)Predictions_memory_bytes, METH_NOARGS, p_memory_bytes_doc},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyMappingMethods Predictions_as_mapping = {
-    .mp_length = (lenfunc)Predictions_len,
-};
-
-PyDoc_STRVAR(Predictions_doc,
-             "Predictions(seed=0)\n--\n\n"
-             "The blind window's expiries: (block key, replica slot) -> until (float seconds).\n"
-             "Filled and drained by ``BlockTable.predict`` / ``BlockTable.expire``.");
-
-static PyTypeObject PredictionsType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "routing._blocktable.Predictions",
-    .tp_basicsize = sizeof(Predictions),
-    .tp_dealloc = (destructor)Predictions_dealloc,
-    .tp_as_mapping = &Predictions_as_mapping,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = Predictions_doc,
-    .tp_methods = Predictions_methods,
-    .tp_new = Predictions_new,
-};
-
-/* The arguments predict() and expire() share: (predictions, _, bit, replica, seconds, masks). */
 static int
-window_args(const char *name, PyObject *const *args, Py_ssize_t nargs, Predictions **preds, uint32_t *replica,
-            double *seconds)
+seconds_of(PyObject *obj, double *out)
 {
-    if (!check_nargs(name, nargs, 6, 6))
-        return -1;
-    if (!PyObject_TypeCheck(args[0], &PredictionsType) || !PyLong_CheckExact(args[2]) || !PyDict_Check(args[5])) {
-        PyErr_Format(PyExc_TypeError, "%s(predictions: Predictions, keys, bit: int, replica: int, time: float, "
-                     "masks: dict)", name);
+    if (!PyFloat_Check(obj) && !PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "a time must be a float, not %.100s", Py_TYPE(obj)->tp_name);
         return -1;
     }
-    if (replica_of(args[3], replica) < 0)
-        return -1;
-    *seconds = PyFloat_AsDouble(args[4]);
-    if (*seconds == -1.0 && PyErr_Occurred())
-        return -1;
-    *preds = (Predictions *)args[0];
-    return 0;
+    *out = PyFloat_AsDouble(obj);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
-
-PyDoc_STRVAR(predict_doc,
-             "predict(predictions, keys, bit, replica, until, masks, /)\n--\n\n"
-             "Record that the replica (mask ``bit``, slot ``replica``) will hold ``keys`` until\n"
-             "``until`` (``routing.index``'s blind window; ``self`` holds the real-or-predicted\n"
-             "masks).  A key whose mask lacks ``bit`` gets it (interned through\n"
-             "``masks.setdefault``) and a prediction; a key the replica holds by an earlier\n"
-             "prediction gets the new ``until``; a key it really holds is left alone.\n\n"
-             "Returns ``(new, tracked)``: keys newly predicted, and the uint64-LE ``bytes``\n"
-             "of the keys whose ``until`` was set (new and extended), for ``expire``.");
-
-static PyObject *
-BlockTable_predict(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
-{
-    Predictions *preds;
-    uint32_t replica;
-    double until;
-    if (window_args("predict", args, nargs, &preds, &replica, &until) < 0)
-        return NULL;
-    PyObject *bit = args[2], *masks = args[5];
-    PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence of ints");
-    if (keys == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), fresh = 0, count = 0;
-    PyObject **ks = PySequence_Fast_ITEMS(keys);
-    uint64_t *all = PyMem_Malloc((n ? n : 1) * sizeof(uint64_t));
-    uint64_t *tracked = PyMem_Malloc((n ? n : 1) * sizeof(uint64_t));
-    PyObject *result = NULL;
-    if (all == NULL || tracked == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (key_of(ks[i], &all[i]) < 0)
-            goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n) { /* both tables' slots of a key further on: the misses overlap */
-            uint64_t ahead = all[i + PREFETCH_AHEAD];
-            PREFETCH(&t->slots[(size_t)home_of(ahead, t->seed) & t->capacity_mask]);
-            PREFETCH(&preds->slots[p_home(preds, ahead, replica)]);
-        }
-        uint64_t key = all[i];
-        int held = has_bit(t, key, bit);
-        if (held < 0)
-            goto done;
-        if (held) {
-            size_t at = p_find(preds, key, replica);
-            if (!preds->slots[at].occupied)
-                continue; /* really held */
-            preds->slots[at].until = until;
-        }
-        else {
-            if (p_set(preds, key, replica, until) < 0 || or_bit(t, key, bit, masks) < 0)
-                goto done;
-            fresh++;
-        }
-        tracked[count++] = key;
-    }
-    result = Py_BuildValue("(ny#)", fresh, (const char *)tracked, (Py_ssize_t)(count * sizeof(uint64_t)));
-done:
-    PyMem_Free(all);
-    PyMem_Free(tracked);
-    Py_DECREF(keys);
-    return result;
-}
-
-PyDoc_STRVAR(expire_doc,
-             "expire(predictions, tracked, bit, replica, now, masks, /)\n--\n\n"
-             "Retire the replica's predictions of the keys in ``tracked`` (``predict``'s bytes)\n"
-             "whose ``until`` is at or before ``now``; confirmed, cleared or extended ones are\n"
-             "skipped.  ``bit`` leaves each retired key's mask here.  Returns how many.");
-
-static PyObject *
-BlockTable_expire(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
-{
-    Predictions *preds;
-    uint32_t replica;
-    double now;
-    if (window_args("expire", args, nargs, &preds, &replica, &now) < 0)
-        return NULL;
-    PyObject *bit = args[2], *masks = args[5];
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0)
-        return NULL;
-    PyObject *not_bit = NULL, *result = NULL;
-    uint64_t *keys = NULL;
-    if (view.len % sizeof(uint64_t) != 0) {
-        PyErr_SetString(PyExc_ValueError, "tracked must hold whole uint64 keys");
-        goto done;
-    }
-    not_bit = PyNumber_Invert(bit);
-    if (not_bit == NULL)
-        goto done;
-    Py_ssize_t n = view.len / (Py_ssize_t)sizeof(uint64_t), expired = 0;
-    keys = PyMem_Malloc((n ? n : 1) * sizeof(uint64_t)); /* copied: the buffer need not be 8-byte aligned */
-    if (keys == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    memcpy(keys, view.buf, (size_t)n * sizeof(uint64_t));
-    for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++)
-        PREFETCH(&preds->slots[p_home(preds, keys[i], replica)]);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n) {
-            PREFETCH(&preds->slots[p_home(preds, keys[i + PREFETCH_AHEAD], replica)]);
-            PREFETCH(&t->slots[(size_t)home_of(keys[i + PREFETCH_AHEAD], t->seed) & t->capacity_mask]);
-        }
-        size_t at = p_find(preds, keys[i], replica);
-        if (!preds->slots[at].occupied || preds->slots[at].until > now)
-            continue;
-        if (clear_bit(t, keys[i], bit, not_bit, masks) < 0)
-            goto done;
-        p_erase(preds, p_find(preds, keys[i], replica)); /* the bit is gone: now the prediction */
-        expired++;
-    }
-    result = PyLong_FromSsize_t(expired);
-done:
-    PyMem_Free(keys);
-    Py_XDECREF(not_bit);
-    PyBuffer_Release(&view);
-    return result;
-}
-
-/* ------------------------------------------------------------ key events */
 
 /* A sequence of block keys: a bytes-like of uint64 (native order) or a sequence of ints.
- * Fills *out (PyMem_Malloc'ed, caller frees) and *n. */
+ * Fills *out (PyMem_Malloc'ed, the caller frees) and *n; converts every key before returning. */
 static int
 keys_arg(PyObject *obj, uint64_t **out, Py_ssize_t *n)
 {
@@ -955,7 +374,7 @@ keys_arg(PyObject *obj, uint64_t **out, Py_ssize_t *n)
             return -1;
         }
         *n = view.len / (Py_ssize_t)sizeof(uint64_t);
-        *out = PyMem_Malloc((*n ? *n : 1) * sizeof(uint64_t));
+        *out = PyMem_Malloc((*n ? (size_t)*n : 1) * sizeof(uint64_t));
         if (*out == NULL) {
             PyBuffer_Release(&view);
             PyErr_NoMemory();
@@ -970,7 +389,7 @@ keys_arg(PyObject *obj, uint64_t **out, Py_ssize_t *n)
         return -1;
     *n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    *out = PyMem_Malloc((*n ? *n : 1) * sizeof(uint64_t));
+    *out = PyMem_Malloc((*n ? (size_t)*n : 1) * sizeof(uint64_t));
     if (*out == NULL) {
         Py_DECREF(seq);
         PyErr_NoMemory();
@@ -988,224 +407,463 @@ keys_arg(PyObject *obj, uint64_t **out, Py_ssize_t *n)
     return 0;
 }
 
-/* The arguments add() and remove() share: (predictions, keys, bit, replica, masks). */
-static int
-keys_event_args(const char *name, PyObject *const *args, Py_ssize_t nargs, Predictions **preds, uint32_t *replica)
+/* ------------------------------------------------------------------ BlockTable */
+
+typedef struct {
+    PyObject_HEAD
+    Table holders;
+    Table predicted;
+} BlockTable;
+
+static PyObject *
+BlockTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    if (!check_nargs(name, nargs, 5, 5))
-        return -1;
-    if (!PyObject_TypeCheck(args[0], &PredictionsType) || !PyLong_CheckExact(args[2]) || !PyDict_Check(args[4])) {
-        PyErr_Format(PyExc_TypeError, "%s(predictions: Predictions, keys, bit: int, replica: int, masks: dict)",
-                     name);
-        return -1;
+    static char *kwlist[] = {"seed", NULL};
+    unsigned long long seed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|K:BlockTable", kwlist, &seed))
+        return NULL;
+    BlockTable *t = (BlockTable *)type->tp_alloc(type, 0);
+    if (t == NULL)
+        return NULL;
+    /* tp_alloc zeroed both tables; two seeds, so one table's runs say nothing of the other's. */
+    if (table_init(&t->holders, (uint64_t)seed) < 0 || table_init(&t->predicted, fmix64((uint64_t)seed ^ GOLDEN)) < 0) {
+        Py_DECREF(t);
+        return NULL;
     }
-    if (replica_of(args[3], replica) < 0)
+    return (PyObject *)t;
+}
+
+static void
+BlockTable_dealloc(BlockTable *t)
+{
+    PyMem_Free(t->holders.slots);
+    PyMem_Free(t->predicted.slots);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static Py_ssize_t
+BlockTable_len(BlockTable *t)
+{
+    return (Py_ssize_t)t->holders.used;
+}
+
+/* The holders slot of key, or NULL (absent, or an error set when the key is bad). */
+static const Slot *
+holders_slot(BlockTable *t, PyObject *key_obj)
+{
+    uint64_t key;
+    if (key_of(key_obj, &key) < 0)
+        return NULL;
+    const Slot *s = &t->holders.slots[find(HOLDERS, &t->holders, key, 0)];
+    return occupied(HOLDERS, s) ? s : NULL;
+}
+
+static int
+BlockTable_contains(BlockTable *t, PyObject *key_obj)
+{
+    if (holders_slot(t, key_obj) != NULL)
+        return 1;
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+PyDoc_STRVAR(get_doc, "get(key, default=None, /)\n--\n\n"
+                      "The mask (an int, bit ``r`` for replica slot ``r``) of the replicas holding ``key``,\n"
+                      "really or by prediction, or ``default`` when none does.");
+
+static PyObject *
+BlockTable_get(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!check_nargs("get", nargs, 1, 2))
+        return NULL;
+    const Slot *s = holders_slot(t, args[0]);
+    if (s != NULL)
+        return mask_to_int(s->v.holders);
+    if (PyErr_Occurred())
+        return NULL;
+    return Py_NewRef(nargs > 1 ? args[1] : Py_None);
+}
+
+PyDoc_STRVAR(until_doc, "until(key, replica, /)\n--\n\n"
+                        "Expiry of replica slot ``replica``'s prediction of ``key``, or None when it has none.");
+
+static PyObject *
+BlockTable_until(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t key;
+    uint32_t replica;
+    if (!check_nargs("until", nargs, 2, 2) || key_of(args[0], &key) < 0 || replica_of(args[1], &replica) < 0)
+        return NULL;
+    const Slot *s = &t->predicted.slots[find(PREDICTED, &t->predicted, key, (uint64_t)replica + 1)];
+    if (!occupied(PREDICTED, s))
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(s->v.predicted.until);
+}
+
+static PyObject *
+BlockTable_get_num_predictions(BlockTable *t, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSize_t(t->predicted.used);
+}
+
+PyDoc_STRVAR(memory_bytes_doc, "memory_bytes()\n--\n\n"
+                               "Bytes of the object and both slot arrays (24 bytes a slot); O(1).");
+
+static PyObject *
+BlockTable_memory_bytes(BlockTable *t, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromSize_t(sizeof(BlockTable) + table_bytes(&t->holders) + table_bytes(&t->predicted));
+}
+
+PyDoc_STRVAR(walk_doc,
+             "walk(keys, alive, /)\n--\n\n"
+             "Follow ``keys`` (a prompt's block keys, in order: a sequence of ints or a\n"
+             "bytes-like of uint64) while some replica of the mask ``alive`` (an int in\n"
+             "[0, 2**MAX_REPLICAS)) holds every block so far, really or by prediction.\n\n"
+             "Returns ``(drops, end)``: ``drops`` lists ``(i, bits)`` in order, ``bits`` the\n"
+             "replicas of ``alive`` that hold ``keys[:i]`` but not ``keys[i]`` (``i ==\n"
+             "len(keys)`` for those that hold every key); ``end`` is the longest match.");
+
+static PyObject *
+BlockTable_walk(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!check_nargs("walk", nargs, 2, 2))
+        return NULL;
+    Mask alive;
+    if (mask_from_int(args[1], &alive) < 0)
+        return NULL;
+    uint64_t *keys;
+    Py_ssize_t n;
+    if (keys_arg(args[0], &keys, &n) < 0)
+        return NULL;
+    PyObject *drops = PyList_New(0), *result = NULL;
+    if (drops == NULL)
+        goto done;
+    const Table *h = &t->holders;
+    for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++)
+        PREFETCH(&h->slots[home(h, keys[i], 0)]);
+    Py_ssize_t end = mask_any(alive) ? n : 0;
+    Mask last = {{0, 0}}; /* the previous block's holders: a run of equal masks drops nothing */
+    for (Py_ssize_t i = 0; i < n && mask_any(alive); i++) {
+        if (i + PREFETCH_AHEAD < n)
+            PREFETCH(&h->slots[home(h, keys[i + PREFETCH_AHEAD], 0)]);
+        const Slot *s = &h->slots[find(HOLDERS, h, keys[i], 0)];
+        Mask holders = s->v.holders; /* all zero when the slot is empty */
+        if (i > 0 && mask_eq(holders, last))
+            continue;
+        last = holders;
+        Mask held = mask_and(holders, alive);
+        if (mask_eq(held, alive))
+            continue;
+        PyObject *bits = mask_to_int(mask_xor(alive, held));
+        PyObject *entry = bits ? Py_BuildValue("(nN)", i, bits) : NULL;
+        if (entry == NULL || PyList_Append(drops, entry) < 0) {
+            Py_XDECREF(entry);
+            goto done;
+        }
+        Py_DECREF(entry);
+        alive = held;
+        if (!mask_any(alive))
+            end = i;
+    }
+    if (mask_any(alive)) {
+        PyObject *bits = mask_to_int(alive);
+        PyObject *entry = bits ? Py_BuildValue("(nN)", n, bits) : NULL;
+        if (entry == NULL || PyList_Append(drops, entry) < 0) {
+            Py_XDECREF(entry);
+            goto done;
+        }
+        Py_DECREF(entry);
+    }
+    result = Py_BuildValue("(On)", drops, end);
+done:
+    Py_XDECREF(drops);
+    PyMem_Free(keys);
+    return result;
+}
+
+/* Drop replica's bit from the holders of key; the key goes when no holder is left. 1 if it had the bit. */
+static int
+drop_holder(Table *h, uint64_t key, uint32_t replica)
+{
+    size_t j = find(HOLDERS, h, key, 0);
+    Slot *s = &h->slots[j];
+    if (!occupied(HOLDERS, s) || !mask_has(s->v.holders, replica))
+        return 0;
+    mask_clear(&s->v.holders, replica);
+    if (!mask_any(s->v.holders))
+        erase(HOLDERS, h, j);
+    return 1;
+}
+
+/* The arguments of add / remove / predict / expire: (keys, replica[, seconds]). */
+static int
+event_args(const char *name, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, uint64_t **keys,
+           Py_ssize_t *n, uint32_t *replica, double *seconds)
+{
+    *keys = NULL;
+    if (!check_nargs(name, nargs, want, want) || replica_of(args[1], replica) < 0)
         return -1;
-    *preds = (Predictions *)args[0];
-    return 0;
+    if (seconds != NULL && seconds_of(args[2], seconds) < 0)
+        return -1;
+    return keys_arg(args[0], keys, n);
 }
 
 PyDoc_STRVAR(add_doc,
-             "add(predictions, keys, bit, replica, masks, /)\n--\n\n"
-             "The replica (mask ``bit``, slot ``replica``) now really holds ``keys`` (a\n"
-             "``KeysStored`` event: a bytes-like of uint64 keys or a sequence of ints).\n"
-             "A key whose mask lacks ``bit`` gets it (interned through ``masks.setdefault``);\n"
-             "a key the replica held by prediction keeps its bit and loses the prediction\n"
-             "(confirmed); a key it already really held is a duplicate.\n\n"
-             "Returns ``(new, confirmed, duplicates)``.  A bad key raises before any change.");
+             "add(keys, replica, /)\n--\n\n"
+             "Replica slot ``replica`` now really holds ``keys`` (a ``KeysStored`` event: a\n"
+             "bytes-like of uint64 keys or a sequence of ints).  A key the replica did not\n"
+             "hold gets its bit; a key it held by prediction keeps the bit and loses the\n"
+             "prediction (confirmed); a key it already really held is a duplicate.\n\n"
+             "Returns ``(new, confirmed, duplicates)``.  Raises TypeError / OverflowError /\n"
+             "ValueError (bad key or slot) or MemoryError before any change.");
 
 static PyObject *
 BlockTable_add(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
 {
-    Predictions *preds;
-    uint32_t replica;
-    if (keys_event_args("add", args, nargs, &preds, &replica) < 0)
-        return NULL;
-    PyObject *bit = args[2], *masks = args[4];
     uint64_t *keys;
-    Py_ssize_t n, fresh = 0, confirmed = 0, duplicates = 0;
-    if (keys_arg(args[1], &keys, &n) < 0)
+    Py_ssize_t n;
+    uint32_t replica;
+    if (event_args("add", args, nargs, 2, &keys, &n, &replica, NULL) < 0)
         return NULL;
     PyObject *result = NULL;
-    /* A strong reference: a key's __eq__ run by or_bit's dict call may clear `masks`. */
-    PyObject *interned_bit = Py_XNewRef(intern_mask(masks, bit));
-    if (interned_bit == NULL)
+    Py_ssize_t fresh = 0, confirmed = 0, duplicates = 0;
+    Table *h = &t->holders, *p = &t->predicted;
+    if (reserve(HOLDERS, h, (size_t)n) < 0)
         goto done;
     for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++)
-        PREFETCH(&t->slots[(size_t)home_of(keys[i], t->seed) & t->capacity_mask]);
+        PREFETCH(&h->slots[home(h, keys[i], 0)]);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n)
-            PREFETCH(&t->slots[(size_t)home_of(keys[i + PREFETCH_AHEAD], t->seed) & t->capacity_mask]);
-        uint64_t key = keys[i];
-        size_t j = find(t, key);
-        if (!t->slots[j].value) { /* the common case: nobody holds it yet */
-            if (insert_at(t, j, key, interned_bit) < 0)
-                goto done;
-            fresh++;
+            PREFETCH(&h->slots[home(h, keys[i + PREFETCH_AHEAD], 0)]);
+        size_t j = find(HOLDERS, h, keys[i], 0);
+        Slot *s = &h->slots[j];
+        if (!occupied(HOLDERS, s))
+            s = insert_at(h, j, keys[i]); /* the common case: nobody holds it yet */
+        else if (mask_has(s->v.holders, replica)) {
+            size_t at = find(PREDICTED, p, keys[i], (uint64_t)replica + 1);
+            if (occupied(PREDICTED, &p->slots[at])) {
+                erase(PREDICTED, p, at);
+                confirmed++;
+            }
+            else
+                duplicates++;
             continue;
         }
-        int held = SLOT_MASK(&t->slots[j]) == interned_bit ? 1 : has_bit(t, key, bit);
-        if (held < 0)
-            goto done;
-        if (!held) {
-            if (or_bit(t, key, bit, masks) < 0)
-                goto done;
-            fresh++;
-            continue;
-        }
-        size_t at = p_find(preds, key, replica);
-        if (preds->slots[at].occupied) {
-            p_erase(preds, at);
-            confirmed++;
-        }
-        else
-            duplicates++;
+        mask_set(&s->v.holders, replica);
+        fresh++;
     }
     result = Py_BuildValue("(nnn)", fresh, confirmed, duplicates);
 done:
-    Py_XDECREF(interned_bit);
     PyMem_Free(keys);
     return result;
 }
 
 PyDoc_STRVAR(remove_doc,
-             "remove(predictions, keys, bit, replica, masks, /)\n--\n\n"
-             "The replica (mask ``bit``, slot ``replica``) no longer holds ``keys`` (a\n"
-             "``KeysRemoved`` event; same key forms as ``add``).  Each key it really held\n"
-             "loses ``bit`` (the key goes when no holder is left).  A key it did not hold,\n"
-             "or held only by prediction, is unknown and left alone.\n\n"
-             "Returns ``(removed, unknown)``.  A bad key raises before any change.");
+             "remove(keys, replica, /)\n--\n\n"
+             "Replica slot ``replica`` no longer holds ``keys`` (a ``KeysRemoved`` event; same\n"
+             "key forms as ``add``).  Each key it really held loses its bit (the key goes\n"
+             "when no holder is left).  A key it did not hold, or held only by prediction,\n"
+             "is unknown and left alone.\n\n"
+             "Returns ``(removed, unknown)``.  Bad arguments raise before any change.");
 
 static PyObject *
 BlockTable_remove(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
 {
-    Predictions *preds;
-    uint32_t replica;
-    if (keys_event_args("remove", args, nargs, &preds, &replica) < 0)
-        return NULL;
-    PyObject *bit = args[2], *masks = args[4];
     uint64_t *keys;
-    Py_ssize_t n, removed = 0, unknown = 0;
-    if (keys_arg(args[1], &keys, &n) < 0)
+    Py_ssize_t n;
+    uint32_t replica;
+    if (event_args("remove", args, nargs, 2, &keys, &n, &replica, NULL) < 0)
+        return NULL;
+    Py_ssize_t removed = 0, unknown = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Slot *prediction = &t->predicted.slots[find(PREDICTED, &t->predicted, keys[i], (uint64_t)replica + 1)];
+        if (occupied(PREDICTED, prediction) || !drop_holder(&t->holders, keys[i], replica))
+            unknown++;
+        else
+            removed++;
+    }
+    PyMem_Free(keys);
+    return Py_BuildValue("(nn)", removed, unknown);
+}
+
+PyDoc_STRVAR(predict_doc,
+             "predict(keys, replica, until, /)\n--\n\n"
+             "Record that replica slot ``replica`` will hold ``keys`` until ``until`` (seconds,\n"
+             "the blind window of ``routing.index``).  A key whose mask lacks the replica gets\n"
+             "its bit and a prediction; a key it holds by an earlier prediction gets the new\n"
+             "``until``; a key it really holds is left alone.\n\n"
+             "Returns ``(new, tracked)``: keys newly predicted, and the uint64 ``bytes`` of the\n"
+             "keys whose ``until`` was set (new and extended), for ``expire``.  Bad\n"
+             "arguments or MemoryError raise before any change.");
+
+static PyObject *
+BlockTable_predict(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t *keys;
+    Py_ssize_t n;
+    uint32_t replica;
+    double until;
+    if (event_args("predict", args, nargs, 3, &keys, &n, &replica, &until) < 0)
         return NULL;
     PyObject *result = NULL;
-    PyObject *not_bit = PyNumber_Invert(bit);
-    if (not_bit == NULL)
+    Table *h = &t->holders, *p = &t->predicted;
+    uint64_t tag = (uint64_t)replica + 1;
+    uint64_t *tracked = PyMem_Malloc((n ? (size_t)n : 1) * sizeof(uint64_t));
+    if (tracked == NULL) {
+        PyErr_NoMemory();
         goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int held = has_bit(t, keys[i], bit);
-        if (held < 0)
-            goto done;
-        if (!held || preds->slots[p_find(preds, keys[i], replica)].occupied) {
-            unknown++;
-            continue;
-        }
-        if (clear_bit(t, keys[i], bit, not_bit, masks) < 0)
-            goto done;
-        removed++;
     }
-    result = Py_BuildValue("(nn)", removed, unknown);
+    /* Room first: from here on nothing can fail, so every key predicted is in `tracked`. */
+    if (reserve(HOLDERS, h, (size_t)n) < 0 || reserve(PREDICTED, p, (size_t)n) < 0)
+        goto done;
+    Py_ssize_t fresh = 0, count = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n) { /* both tables' slots of a key further on: the misses overlap */
+            PREFETCH(&h->slots[home(h, keys[i + PREFETCH_AHEAD], 0)]);
+            PREFETCH(&p->slots[home(p, keys[i + PREFETCH_AHEAD], tag)]);
+        }
+        uint64_t key = keys[i];
+        size_t j = find(HOLDERS, h, key, 0);
+        Slot *s = &h->slots[j];
+        size_t at = find(PREDICTED, p, key, tag);
+        if (occupied(HOLDERS, s) && mask_has(s->v.holders, replica)) {
+            if (!occupied(PREDICTED, &p->slots[at]))
+                continue; /* really held */
+            p->slots[at].v.predicted.until = until;
+        }
+        else {
+            if (!occupied(HOLDERS, s))
+                s = insert_at(h, j, key);
+            mask_set(&s->v.holders, replica);
+            Slot *q = insert_at(p, at, key);
+            q->v.predicted.replica1 = tag;
+            q->v.predicted.until = until;
+            fresh++;
+        }
+        tracked[count++] = key;
+    }
+    result = Py_BuildValue("(ny#)", fresh, (const char *)tracked, (Py_ssize_t)((size_t)count * sizeof(uint64_t)));
 done:
-    Py_XDECREF(not_bit);
+    PyMem_Free(tracked);
     PyMem_Free(keys);
     return result;
 }
 
-PyDoc_STRVAR(clear_bit_doc,
-             "clear_bit(bit, masks, /)\n--\n\n"
-             "Drop ``bit`` from every key's mask (a replica cleared or removed; its\n"
-             "predictions must be dropped from ``Predictions`` by the caller).  Keys left\n"
-             "without a holder go.  One pass over the slots, in C.  Returns how many keys\n"
-             "had the bit.");
+PyDoc_STRVAR(expire_doc,
+             "expire(tracked, replica, now, /)\n--\n\n"
+             "Retire replica slot ``replica``'s predictions of the keys in ``tracked``\n"
+             "(``predict``'s bytes) whose ``until`` is at or before ``now``; confirmed,\n"
+             "cleared or extended ones are skipped.  A retired key loses the replica's bit.\n"
+             "Returns how many were retired.");
 
 static PyObject *
-BlockTable_clear_bit(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+BlockTable_expire(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (!check_nargs("clear_bit", nargs, 2, 2))
+    uint64_t *keys;
+    Py_ssize_t n;
+    uint32_t replica;
+    double now;
+    if (event_args("expire", args, nargs, 3, &keys, &n, &replica, &now) < 0)
         return NULL;
-    PyObject *bit = args[0], *masks = args[1];
-    if (!PyLong_CheckExact(bit) || !PyDict_Check(masks)) {
-        PyErr_SetString(PyExc_TypeError, "clear_bit(bit: int, masks: dict)");
-        return NULL;
-    }
-    size_t capacity = t->capacity_mask + 1;
-    Py_ssize_t count = 0, cap = 1024;
-    uint64_t *keys = PyMem_Malloc((size_t)cap * sizeof(uint64_t));
-    PyObject *not_bit = NULL, *result = NULL;
-    if (keys == NULL) {
-        PyErr_NoMemory();
-        return NULL;
-    }
-    /* Masks are interned and few: remember the bit test per mask object (direct-mapped
-     * by address), so the pass allocates an int per distinct mask, not per slot. */
-    enum { CACHE = 64 };
-    PyObject *seen[CACHE] = {NULL};
-    int seen_has[CACHE] = {0};
-    for (size_t j = 0; j < capacity; j++) { /* collect first: erasing shifts slots */
-        if (!t->slots[j].value)
+    Table *h = &t->holders, *p = &t->predicted;
+    uint64_t tag = (uint64_t)replica + 1;
+    Py_ssize_t expired = 0;
+    for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++)
+        PREFETCH(&p->slots[home(p, keys[i], tag)]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n) {
+            PREFETCH(&p->slots[home(p, keys[i + PREFETCH_AHEAD], tag)]);
+            PREFETCH(&h->slots[home(h, keys[i + PREFETCH_AHEAD], 0)]);
+        }
+        size_t at = find(PREDICTED, p, keys[i], tag);
+        if (!occupied(PREDICTED, &p->slots[at]) || p->slots[at].v.predicted.until > now)
             continue;
-        PyObject *mask = SLOT_MASK(&t->slots[j]);
-        size_t c = ((uintptr_t)mask >> 4) % CACHE;
-        int held;
-        if (seen[c] == mask) {
-            held = seen_has[c];
-        }
-        else {
-            PyObject *both = PyNumber_And(mask, bit);
-            if (both == NULL)
-                goto done;
-            held = PyObject_IsTrue(both);
-            Py_DECREF(both);
-            if (held < 0)
-                goto done;
-            seen[c] = mask; /* borrowed: nothing runs Python code before the pass ends */
-            seen_has[c] = held;
-        }
-        if (!held)
-            continue;
-        if (count == cap) {
-            uint64_t *grown = PyMem_Realloc(keys, (size_t)cap * 2 * sizeof(uint64_t));
-            if (grown == NULL) {
-                PyErr_NoMemory();
-                goto done;
-            }
-            keys = grown;
-            cap *= 2;
-        }
-        keys[count++] = t->slots[j].key;
+        erase(PREDICTED, p, at); /* occupied, checked above, and nothing ran since */
+        drop_holder(h, keys[i], replica);
+        expired++;
     }
-    not_bit = PyNumber_Invert(bit);
-    if (not_bit == NULL)
-        goto done;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (clear_bit(t, keys[i], bit, not_bit, masks) < 0)
+    PyMem_Free(keys);
+    return PyLong_FromSsize_t(expired);
+}
+
+/* Append key to a growing array; -1 with MemoryError. */
+static int
+push_key(uint64_t **keys, size_t *count, size_t *cap, uint64_t key)
+{
+    if (*count == *cap) {
+        size_t grown_cap = *cap ? *cap * 2 : 1024;
+        uint64_t *grown = PyMem_Realloc(*keys, grown_cap * sizeof(uint64_t));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        *keys = grown;
+        *cap = grown_cap;
+    }
+    (*keys)[(*count)++] = key;
+    return 0;
+}
+
+PyDoc_STRVAR(clear_replica_doc,
+             "clear_replica(replica, /)\n--\n\n"
+             "Forget every block of replica slot ``replica``, real and predicted (a replica\n"
+             "cleared or gone).  Keys left without a holder go.  One pass over each table;\n"
+             "for rare events.  Returns how many keys it really held (predictions not\n"
+             "counted).");
+
+static PyObject *
+BlockTable_clear_replica(BlockTable *t, PyObject *arg)
+{
+    uint32_t replica;
+    if (replica_of(arg, &replica) < 0)
+        return NULL;
+    Table *h = &t->holders, *p = &t->predicted;
+    uint64_t tag = (uint64_t)replica + 1;
+    uint64_t *held = NULL, *guessed = NULL;
+    size_t n_held = 0, cap_held = 0, n_guessed = 0, cap_guessed = 0;
+    PyObject *result = NULL;
+    /* Collect first, change after: erasing shifts slots, and an allocation failure must change nothing. */
+    for (size_t j = 0; j <= p->capacity_mask; j++) {
+        if (p->slots[j].v.predicted.replica1 == tag && push_key(&guessed, &n_guessed, &cap_guessed, p->slots[j].key) < 0)
             goto done;
     }
-    result = PyLong_FromSsize_t(count);
+    for (size_t j = 0; j <= h->capacity_mask; j++) {
+        if (occupied(HOLDERS, &h->slots[j]) && mask_has(h->slots[j].v.holders, replica)
+            && push_key(&held, &n_held, &cap_held, h->slots[j].key) < 0)
+            goto done;
+    }
+    for (size_t i = 0; i < n_guessed; i++)
+        erase(PREDICTED, p, find(PREDICTED, p, guessed[i], tag));
+    for (size_t i = 0; i < n_held; i++)
+        drop_holder(h, held[i], replica);
+    result = PyLong_FromSize_t(n_held - n_guessed);
 done:
-    Py_XDECREF(not_bit);
-    PyMem_Free(keys);
+    PyMem_Free(held);
+    PyMem_Free(guessed);
     return result;
 }
 
 static PyMethodDef BlockTable_methods[] = {
     {"get", (PyCFunction)(void (*)(void))BlockTable_get, METH_FASTCALL, get_doc},
-    {"pop", (PyCFunction)(void (*)(void))BlockTable_pop, METH_FASTCALL, pop_doc},
-    {"clear", (PyCFunction)BlockTable_clear, METH_NOARGS, clear_doc},
+    {"until", (PyCFunction)(void (*)(void))BlockTable_until, METH_FASTCALL, until_doc},
     {"memory_bytes", (PyCFunction)BlockTable_memory_bytes, METH_NOARGS, memory_bytes_doc},
     {"walk", (PyCFunction)(void (*)(void))BlockTable_walk, METH_FASTCALL, walk_doc},
-    {"predict", (PyCFunction)(void (*)(void))BlockTable_predict, METH_FASTCALL, predict_doc},
-    {"expire", (PyCFunction)(void (*)(void))BlockTable_expire, METH_FASTCALL, expire_doc},
     {"add", (PyCFunction)(void (*)(void))BlockTable_add, METH_FASTCALL, add_doc},
     {"remove", (PyCFunction)(void (*)(void))BlockTable_remove, METH_FASTCALL, remove_doc},
-    {"clear_bit", (PyCFunction)(void (*)(void))BlockTable_clear_bit, METH_FASTCALL, clear_bit_doc},
+    {"predict", (PyCFunction)(void (*)(void))BlockTable_predict, METH_FASTCALL, predict_doc},
+    {"expire", (PyCFunction)(void (*)(void))BlockTable_expire, METH_FASTCALL, expire_doc},
+    {"clear_replica", (PyCFunction)BlockTable_clear_replica, METH_O, clear_replica_doc},
     {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef BlockTable_getset[] = {
+    {"num_predictions", (getter)BlockTable_get_num_predictions, NULL,
+     "(key, replica) predictions pending (an int)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyMappingMethods BlockTable_as_mapping = {
     .mp_length = (lenfunc)BlockTable_len,
-    .mp_subscript = (binaryfunc)BlockTable_subscript,
-    .mp_ass_subscript = (objobjargproc)BlockTable_ass_subscript,
 };
 
 static PySequenceMethods BlockTable_as_sequence = {
@@ -1214,9 +872,11 @@ static PySequenceMethods BlockTable_as_sequence = {
 
 PyDoc_STRVAR(BlockTable_doc,
              "BlockTable(seed=0)\n--\n\n"
-             "Map of 64-bit block keys (ints in [0, 2**64)) to int masks.\n"
-             "``seed`` (64-bit) scatters keys over slots; pass a random one.  Bad keys raise TypeError / OverflowError, non-int\n"
-             "values TypeError.");
+             "The block index's tables: block key (an int in [0, 2**64)) -> the replicas\n"
+             "holding it (slots 0 to MAX_REPLICAS - 1), and (key, replica) -> the expiry of\n"
+             "the replica's prediction.  ``len()`` is the number of keys some replica\n"
+             "holds; ``key in table`` tests one.  ``seed`` (64-bit) scatters keys over\n"
+             "slots; pass a random one.  Bad keys raise TypeError / OverflowError.");
 
 static PyTypeObject BlockTableType = {
     PyVarObject_HEAD_INIT(NULL, 0)
@@ -1228,37 +888,34 @@ static PyTypeObject BlockTableType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = BlockTable_doc,
     .tp_methods = BlockTable_methods,
+    .tp_getset = BlockTable_getset,
     .tp_new = BlockTable_new,
 };
 
 static struct PyModuleDef blocktable_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "routing._blocktable",
-    .m_doc = "The block index's key -> holders hash table (see routing.index).",
+    .m_doc = "The block index's hash tables (see routing.index).",
     .m_size = -1,
 };
 
 PyMODINIT_FUNC
 PyInit__blocktable(void)
 {
+    if (SIXTY_FOUR == NULL && (SIXTY_FOUR = PyLong_FromLong(64)) == NULL)
+        return NULL;
     if (PyType_Ready(&BlockTableType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&blocktable_module);
     if (m == NULL)
         return NULL;
-    if (PyType_Ready(&PredictionsType) < 0) {
+    if (PyModule_AddIntConstant(m, "MAX_REPLICAS", MAX_REPLICAS) < 0) {
         Py_DECREF(m);
         return NULL;
     }
     Py_INCREF(&BlockTableType);
     if (PyModule_AddObject(m, "BlockTable", (PyObject *)&BlockTableType) < 0) {
         Py_DECREF(&BlockTableType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&PredictionsType);
-    if (PyModule_AddObject(m, "Predictions", (PyObject *)&PredictionsType) < 0) {
-        Py_DECREF(&PredictionsType);
         Py_DECREF(m);
         return NULL;
     }

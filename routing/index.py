@@ -6,26 +6,29 @@ block key (see ``routing.block_keys``) to the set of replicas holding that
 block, and answers "how many leading blocks of this prompt does each replica
 hold?".  It hashes nothing: the relays computed the keys.
 
-Data model (each replica owns one bit; bits are recycled by ``remove_replica``):
+Data model (each replica owns one slot, 0 to ``MAX_REPLICAS - 1`` = 127, and
+its bit in a fixed-width mask; slots are recycled by ``remove_replica``), in
+one ``routing._blocktable.BlockTable`` (C: one generic open-addressing table,
+24-byte slots, load factor at most 1/2; a Python dict costs about three cache
+misses a lookup at 10^5 keys, which made the prompt walk memory-bound):
 
-* ``holders: key -> mask`` — replicas holding the block, really or by
-  prediction: a ``routing._blocktable.BlockTable`` (C, one 16-byte slot a
-  key, load factor at most 1/2; a Python dict costs about three cache misses
-  a lookup at 10^5 keys, which made the prompt walk memory-bound).  Masks are
-  interned (one int object per value), so the walk skips runs of blocks held
-  by the same replicas with an identity test.
+* ``holders: key -> mask`` — the replicas holding the block, really or by
+  prediction, as a 128-bit mask in the slot (no Python object, no reference
+  count), so the walk skips runs of blocks with the same holders by comparing
+  two words.
 * ``predicted: (key, replica slot) -> until`` — the replicas' bits in
   ``holders`` that are only predicted, with their expiry (a replica's bit is
-  never both real and predicted for one key): a
-  ``routing._blocktable.Predictions`` (C, 24-byte slots).
-* per replica, only its bit and the count of keys it really holds: the
+  never both real and predicted for one key).
+* per replica, only its slot and the count of keys it really holds: the
   relay keeps the engine-side detail (engine hashes, physical copies), so a
   (replica, block) entry costs the index one bit of a shared mask, and the
-  holders table's slot is shared by every replica holding the key.
+  holders slot is shared by every replica holding the key.
 
 Every ingest and lookup loop is in C (``BlockTable.add`` / ``remove`` /
 ``walk`` / ``predict`` / ``expire``); keys arrive as the wire's uint64 bytes
-and are never turned into Python ints.
+and are never turned into Python ints.  A replica past ``MAX_REPLICAS`` is
+refused by ``add_replica`` (counted, ``stats.replicas_refused``): it is routed
+by load only.
 
 Hygiene: a replica is known from ``add_replica`` (the router follows it) to
 ``remove_replica``; key events and predictions for any other replica are
@@ -56,13 +59,10 @@ import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 
-from routing._blocktable import BlockTable, Predictions
+from routing._blocktable import MAX_REPLICAS, BlockTable
 from routing.key_events import AllKeysCleared, KeyEvent, KeysRemoved, KeysStored
 
-__all__ = ["BlockIndex", "IndexStats"]
-
-_MAX_INTERNED_MASKS = 1 << 16
-_MASK_BYTES = 40  # sys.getsizeof of a small int mask plus its dict slot, roughly
+__all__ = ["MAX_REPLICAS", "BlockIndex", "IndexStats"]
 
 
 @dataclass(slots=True)
@@ -91,6 +91,8 @@ class IndexStats:
     """Predicted blocks a ``KeysStored`` confirmed before expiry."""
     predictions_expired: int = 0
     """Predicted blocks retired unconfirmed."""
+    replicas_refused: int = 0
+    """``add_replica`` calls refused because ``MAX_REPLICAS`` replicas were followed."""
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict (for metrics export)."""
@@ -122,8 +124,6 @@ class BlockIndex:
         self.stats = IndexStats()
         self._entries = 0
         self._holders = BlockTable(seed=secrets.randbits(64))
-        self._masks: dict[int, int] = {}
-        self._predicted = Predictions(seed=secrets.randbits(64))
         self._replicas: dict[str, _Replica] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -138,14 +138,23 @@ class BlockIndex:
         """Ids of the replicas the index follows."""
         return list(self._replicas)
 
-    def add_replica(self, replica_id: str) -> None:
-        """Follow ``replica_id`` (holding nothing yet); a no-op if it is followed."""
+    def add_replica(self, replica_id: str) -> bool:
+        """Follow ``replica_id`` (holding nothing yet); a no-op if it is followed.
+
+        Returns:
+            True if the replica is followed; False (counted in
+            ``stats.replicas_refused``) when ``MAX_REPLICAS`` replicas already are.
+        """
         if replica_id in self._replicas:
-            return
+            return True
+        if not self._free_slots and self._next_slot >= MAX_REPLICAS:
+            self.stats.replicas_refused += 1
+            return False
         slot = heapq.heappop(self._free_slots) if self._free_slots else self._next_slot
         self._next_slot = max(self._next_slot, slot + 1)
         self._replicas[replica_id] = _Replica(slot)
         self._candidate_bits.clear()
+        return True
 
     def clear_replica(self, replica_id: str) -> None:
         """Forget every block of a replica, real and predicted; the replica stays followed.
@@ -156,8 +165,7 @@ class BlockIndex:
         if rs is None:
             return
         self.stats.replica_clears += 1
-        self._predicted.clear_replica(rs.slot)  # the bits go with the real ones below
-        self._holders.clear_bit(rs.bit, self._masks)
+        self._holders.clear_replica(rs.slot)  # real and predicted
         self._entries -= rs.blocks
         rs.blocks = 0
 
@@ -200,8 +208,6 @@ class BlockIndex:
                 self.clear_replica(replica_id)
             else:
                 raise TypeError(f"not a key event: {ev!r}")
-        if len(self._masks) > _MAX_INTERNED_MASKS:
-            self._masks.clear()  # only costs the walk's identity shortcut for a while
         return True
 
     def load_snapshot(self, replica_id: str, keys: bytes | Sequence[int]) -> bool:
@@ -230,8 +236,8 @@ class BlockIndex:
             if room <= 0:
                 return
             keys = keys[: room * 8] if packed else keys[:room]
-        # In C: the bit or-ed into each new key's (interned) mask, predictions confirmed.
-        new, confirmed, duplicates = self._holders.add(self._predicted, keys, rs.bit, rs.slot, self._masks)
+        # In C: the replica's bit set in each new key's mask, predictions confirmed.
+        new, confirmed, duplicates = self._holders.add(keys, rs.slot)
         added = new + confirmed
         rs.blocks += added
         self._entries += added
@@ -240,7 +246,7 @@ class BlockIndex:
         self.stats.duplicate_keys += duplicates
 
     def _remove(self, rs: _Replica, keys: bytes | Sequence[int]) -> None:
-        removed, unknown = self._holders.remove(self._predicted, keys, rs.bit, rs.slot, self._masks)
+        removed, unknown = self._holders.remove(keys, rs.slot)
         rs.blocks -= removed
         self._entries -= removed
         self.stats.keys_removed += removed
@@ -266,7 +272,7 @@ class BlockIndex:
         until = float(now + ttl_s)
         # In C: new keys get the bit in holders and predicted, earlier
         # predictions get the new expiry, really held keys are skipped.
-        new, tracked = self._holders.predict(self._predicted, keys, rs.bit, rs.slot, until, self._masks)
+        new, tracked = self._holders.predict(keys, rs.slot, until)
         if tracked:
             self._expiry_seq += 1
             heapq.heappush(self._expiry, (until, self._expiry_seq, replica_id, tracked))
@@ -285,7 +291,7 @@ class BlockIndex:
             if rs is None:
                 continue
             # In C; confirmed, cleared and extended predictions are skipped.
-            expired += self._holders.expire(self._predicted, keys, rs.bit, rs.slot, float(now), self._masks)
+            expired += self._holders.expire(keys, rs.slot, float(now))
         self.stats.predictions_expired += expired
         return expired
 
@@ -313,7 +319,7 @@ class BlockIndex:
             return result
         # One pass over the blocks in C (``BlockTable.walk``): ``alive`` = the
         # candidates holding every block so far; a candidate that drops out at
-        # block i holds i blocks.  The walk flags the matched keys as referenced.
+        # block i holds i blocks.
         drops, _ = self._holders.walk(keys, alive)
         for start, dropped in drops:
             while dropped:
@@ -354,13 +360,8 @@ class BlockIndex:
         return rs.blocks if rs is not None else 0
 
     def memory_bytes(self) -> int:
-        """Bytes of the index's tables and the interned masks, O(1).
-
-        The two C tables' slot arrays, the pending expiries' key bytes and
-        about 40 bytes per interned mask (the int and its dict slot).
-        """
-        return (self._holders.memory_bytes() + self._predicted.memory_bytes() + self._expiry_bytes
-                + _MASK_BYTES * len(self._masks))
+        """Bytes of the index's tables, O(1): the C table's two slot arrays and the pending expiries' key bytes."""
+        return self._holders.memory_bytes() + self._expiry_bytes
 
     def bytes_per_block(self) -> float:
         """``memory_bytes()`` per (replica, key) entry; 0.0 when empty."""

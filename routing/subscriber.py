@@ -42,11 +42,11 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 
-from routing.index import BlockIndex
+from routing.index import MAX_REPLICAS, BlockIndex
 from routing.key_events import SNAPSHOT_REQUEST, KeyDecodeError, KeyEventBatch, decode_key_frames, decode_snapshot
 
 __all__ = ["EventSubscriber"]
@@ -102,7 +102,7 @@ class EventSubscriber:
         self.stats: Counter[str] = Counter()
         self.last_lag_s = 0.0
         self.max_lag_s = 0.0
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._sources: dict[str, _Source] = {}  # owned by the thread
         # replica -> (events, snapshot, generation), changed under self.lock
         self._followed: dict[str, tuple[str, str, int]] = {}
@@ -131,7 +131,9 @@ class EventSubscriber:
             self._followed[replica_id] = (events_endpoint, snapshot_endpoint, self._generation)
             self._synced.discard(replica_id)
             self._unsynced_since[replica_id] = time.monotonic()
-            self.index.add_replica(replica_id)
+            if not self.index.add_replica(replica_id):
+                logger.warning("the block index follows %d replicas at most; %s is routed by load only",
+                               MAX_REPLICAS, replica_id)
         self._changed.set()
 
     def remove_replica(self, replica_id: str) -> None:
@@ -320,8 +322,10 @@ class EventSubscriber:
         src.snap_backoff = min(2.0, src.snap_backoff * 2)
 
     def _on_snapshot(self, src: _Source) -> None:
-        payload = src.snap.recv()
-        src.snap.close(linger=0)
+        sock = src.snap
+        assert sock is not None  # called only for a source whose snapshot socket polled ready
+        payload = sock.recv()
+        sock.close(linger=0)
         src.snap = None
         if len(payload) > self.max_payload_bytes:
             self.stats["errors_oversized"] += 1
@@ -383,8 +387,10 @@ class EventSubscriber:
 
     def _drain(self, src: _Source, max_messages: int = 1000) -> None:
         for _ in range(max_messages):
+            sub = src.sub
+            assert sub is not None  # called only for a source whose live socket polled ready
             try:
-                frames = src.sub.recv_multipart(zmq.NOBLOCK)
+                frames = sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if frames and len(frames[-1]) > self.max_payload_bytes:

@@ -246,6 +246,22 @@ def test_events_for_a_replica_not_followed_are_dropped_and_removal_is_final() ->
     assert idx.match(KEYS, ("r0",), 0.0) == {"r0": 0}
 
 
+def test_replicas_past_the_mask_width_are_refused_and_counted_and_slots_are_recycled() -> None:
+    from routing.index import MAX_REPLICAS
+
+    idx = BlockIndex()
+    ids = [f"r{i}" for i in range(MAX_REPLICAS)]
+    assert all(idx.add_replica(rid) for rid in ids)
+    idx.apply_keys(ids[-1], [KeysStored(None, keys_to_bytes(KEYS[:3]))])  # the last slot (bit 127)
+    assert idx.add_replica("extra") is False and idx.stats.replicas_refused == 1
+    assert idx.apply_keys("extra", [KeysStored(None, keys_to_bytes(KEYS))]) is False  # routed by load only
+    assert idx.match(KEYS, (ids[-1], "extra"), 0.0) == {ids[-1]: 3, "extra": 0}
+    idx.remove_replica("r5")
+    assert idx.add_replica("extra") is True  # r5's slot, holding nothing of r5's
+    idx.apply_keys("extra", [KeysStored(None, keys_to_bytes(KEYS[:2]))])
+    assert idx.match(KEYS, (ids[-1], "extra", "r5"), 0.0) == {ids[-1]: 3, "extra": 2, "r5": 0}
+
+
 def test_snapshot_replaces_what_the_replica_holds_and_keeps_others() -> None:
     idx = BlockIndex()
     for rid in R:
