@@ -69,6 +69,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from bench.stats import percentile
+from locustfiles import workloads as W
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -365,10 +366,8 @@ def warm_up(base_url: str, model: str, n: int, seed: int) -> dict[str, Any]:
     """``n`` short requests with prompts unrelated to the workload (2 at a time)."""
     import httpx
 
-    from locustfiles.workloads import DEFAULT_TOKEN_RANGE
-
     rng = random.Random(f"warmup:{seed}")
-    prompts = [[rng.randrange(*DEFAULT_TOKEN_RANGE) for _ in range(48)] for _ in range(n)]
+    prompts = [[rng.randrange(*W.DEFAULT_TOKEN_RANGE) for _ in range(48)] for _ in range(n)]
     errors: list[str] = []
 
     def one(prompt):
@@ -413,17 +412,17 @@ def size_workload(base_entry: dict[str, Any], locustfile: Path, locust_args: lis
     same after warm-up; one that fits the cluster only when each replica keeps to
     its share of the prompts is where routing decides the hit rate.
     """
-    if factor <= 0 or locustfile.stem != "shared_prefix" or _arg_value(locust_args, "--sp-groups") is not None:
+    groups = W.by_field(W.SharedPrefix.options, "groups")
+    system = W.by_field(W.SharedPrefix.options, "system_tokens")
+    if factor <= 0 or locustfile.stem != W.SharedPrefix.name or _arg_value(locust_args, groups.flag) is not None:
         return []
     engine = (base_entry.get("args") or {}).get("engine") or {}
     blocks = engine.get("num_gpu_blocks_override")
     if not blocks:
         return []
-    from locustfiles.workloads import SharedPrefixConfig
-
-    system_tokens = int(_arg_value(locust_args, "--sp-system-tokens") or SharedPrefixConfig().system_tokens)
+    system_tokens = system.parse(_arg_value(locust_args, system.flag) or system.default)
     capacity = int(blocks) * int(engine.get("block_size", 16))
-    return [f"--sp-groups={max(2, math.ceil(factor * capacity / system_tokens))}"]
+    return [f"{groups.flag}={max(2, math.ceil(factor * capacity / system_tokens))}"]
 
 
 @dataclass
@@ -445,10 +444,10 @@ def run_locust(spec: LoadSpec, base_url: str, out_dir: Path, timeout_s: float) -
         sys.executable, "-m", "locust", "-f", str(spec.locustfile), "--headless",
         "-u", str(spec.users), "-r", str(spec.spawn_rate), "-t", f"{spec.run_time_s}s",
         "--host", base_url, "--csv", str(out_dir / "locust"), "--csv-full-history",
-        "--html", str(out_dir / "locust.html"), "--only-summary", "--seed", str(spec.seed),
+        "--html", str(out_dir / "locust.html"), "--only-summary", W.COMMON["seed"].flag, str(spec.seed),
         *spec.extra_args,
     ]
-    env = {**os.environ, "LOCUST_SAMPLES_FILE": str(samples), "LOCUST_SEED": str(spec.seed)}
+    env = {**os.environ, W.COMMON["samples_file"].env_var: str(samples), W.COMMON["seed"].env_var: str(spec.seed)}
     log(f"locust: {' '.join(cmd[1:])}")
     t0 = time.monotonic()
     with open(out_dir / "locust.log", "w", encoding="utf-8") as logf:
@@ -719,8 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     config_path = config_path if config_path.is_absolute() else REPO / config_path
     serve_cfg, base_entry = load_app_entry(config_path)
     workload_args = size_workload(base_entry, locustfile, list(args.locust_arg), args.working_set_factor)
-    if _arg_value(list(args.locust_arg), "--think-time") is None:
-        workload_args.append(f"--think-time={args.think_time:g}")
+    think = W.COMMON["think_time"].flag
+    if _arg_value(list(args.locust_arg), think) is None:
+        workload_args.append(f"{think}={args.think_time:g}")
     spec = LoadSpec(locustfile, args.users, args.spawn_rate, args.run_time, args.seed,
                     list(args.locust_arg) + workload_args)
     base_url = f"http://{LOOPBACK}:{args.port}"
@@ -730,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
         "locustfile": str(locustfile.relative_to(REPO)) if locustfile.is_relative_to(REPO) else str(locustfile),
         "config": str(config_path.relative_to(REPO)) if config_path.is_relative_to(REPO) else str(config_path),
         "users": args.users, "spawn_rate": args.spawn_rate, "run_time_s": args.run_time, "seed": args.seed,
-        "think_time_s": float(_arg_value(list(args.locust_arg) + workload_args, "--think-time") or 0),
+        "think_time_s": float(_arg_value(list(args.locust_arg) + workload_args, think) or 0),
         "locust_args": list(args.locust_arg) + workload_args, "routers": args.routers,
         "kv_cache_tokens_per_replica": _kv_capacity(base_entry),
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

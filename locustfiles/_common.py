@@ -20,19 +20,11 @@ So the token-weighted prefix-cache hit rate of a run is the ``cached_tokens`` ro
 (on ``e2e``) on a non-200 status, a chunk carrying ``"error"``, a stream that ends
 without ``data: [DONE]`` or without the usage chunk, or a transport error.
 
-Options (command line, ``locust.conf``, or environment):
-
-* ``--host`` (``LOCUST_HOST``): base URL of the OpenAI-compatible server.
-* ``--model`` (``LOCUST_MODEL``): model name; empty = the first of ``GET /v1/models``.
-* ``--api-key`` (``OPENAI_API_KEY``): optional bearer token.
-* ``--seed`` (``LOCUST_SEED``): seed of every prompt generator (default 0).
-* ``--max-tokens`` (``LOCUST_MAX_TOKENS``): completion tokens, 0 = the workload's default.
-* ``--ignore-eos`` (``LOCUST_IGNORE_EOS``): generate exactly ``max_tokens`` (vLLM extension; default true).
-* ``--max-model-len`` (``LOCUST_MAX_MODEL_LEN``): context length, 0 = from ``GET /v1/models``.
-* ``--request-timeout`` (``LOCUST_REQUEST_TIMEOUT``): seconds per request (default 300).
-* ``--think-time`` (``LOCUST_THINK_TIME``): mean seconds between a user's requests,
-  exponentially distributed (default 0: back to back).
-* ``--samples-file`` (``LOCUST_SAMPLES_FILE``): append one JSON line per request (for plots).
+Besides Locust's own ``--host`` (``LOCUST_HOST``, the base URL of the
+OpenAI-compatible server), every locustfile takes the options of
+``workloads.COMMON_OPTIONS``, listed below; each workload adds its own (the
+``options`` of its workload class in ``workloads.py``). An option is defined once,
+there: ``register_options`` adds it to Locust's parser, ``option`` reads it back.
 """
 
 from __future__ import annotations
@@ -51,49 +43,53 @@ import requests
 from locust import User, events, task
 from locust.exception import StopUser
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+
+def workload_module():
+    """``locustfiles.workloads`` whether this folder is imported as a package or run as a copy."""
+    try:
+        from locustfiles import workloads
+    except ImportError:  # the folder copied alone to a load-generator host
+        import workloads  # type: ignore[no-redef]
+    return workloads
 
 
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ValueError(f"not a boolean: {value!r}")
+W = workload_module()
+_OPTIONS: dict[str, Any] = {}  # Option.dest -> workloads.Option, every option registered in this process
 
 
-@events.init_command_line_parser.add_listener
-def _common_options(parser) -> None:
-    parser.add_argument("--model", env_var="LOCUST_MODEL", default="",
-                        help="model name to request (default: the first of GET /v1/models)")
-    parser.add_argument("--api-key", env_var="OPENAI_API_KEY", default="", is_secret=True,
-                        help="bearer token sent as 'Authorization: Bearer ...' (optional)")
-    parser.add_argument("--seed", env_var="LOCUST_SEED", type=int, default=0,
-                        help="seed of the prompt generators (same seed, same prompts)")
-    parser.add_argument("--max-tokens", env_var="LOCUST_MAX_TOKENS", type=int, default=0,
-                        help="completion tokens per request (0: the workload's default)")
-    parser.add_argument("--ignore-eos", env_var="LOCUST_IGNORE_EOS", type=_bool, default=True,
-                        help="generate exactly max_tokens (vLLM's ignore_eos; default true)")
-    parser.add_argument("--max-model-len", env_var="LOCUST_MAX_MODEL_LEN", type=int, default=0,
-                        help="context length of the model (0: from GET /v1/models, else unbounded)")
-    parser.add_argument("--request-timeout", env_var="LOCUST_REQUEST_TIMEOUT", type=float, default=300.0,
-                        help="seconds a request may take")
-    parser.add_argument("--think-time", env_var="LOCUST_THINK_TIME", type=float, default=0.0,
-                        help="mean seconds a user waits between its requests, exponentially "
-                             "distributed (0: back to back, a closed loop)")
-    parser.add_argument("--samples-file", env_var="LOCUST_SAMPLES_FILE", default="", include_in_web_ui=False,
-                        help="append one JSON line per request to this file")
+def register_options(options) -> None:
+    """Add ``options`` (``workloads.Option``s) to Locust's command line and web UI; ``option``
+    reads them back. An option registered before (same ``dest``) is not added again."""
+    new = [o for o in options if o.dest not in _OPTIONS]
+    _OPTIONS.update((o.dest, o) for o in new)
+
+    def add(parser) -> None:
+        for o in new:
+            ranged = isinstance(o.default, tuple)  # kept as LOW-HIGH text until read
+            parser.add_argument(o.flag, env_var=o.env_var, default=o.text_default() if ranged else o.default,
+                                type=str if ranged else o.parse, help=o.help, is_secret=o.secret,
+                                include_in_web_ui=o.web_ui)
+
+    events.init_command_line_parser.add_listener(add)
 
 
-def option(environment, name: str, default: Any = None) -> Any:
-    """A parsed option, or ``default`` when Locust runs without parsed options (library use)."""
+register_options(W.COMMON_OPTIONS)
+__doc__ = (__doc__ or "") + W.options_doc(W.COMMON_OPTIONS, "Common options")
+
+
+def option(environment, name: str) -> Any:
+    """The value of the registered option ``name`` (its ``dest``, e.g. ``"max_tokens"``), as its
+    default's type (``workloads.Option.parse``); the default when it is unset or Locust runs
+    without parsed options (library use). ``KeyError`` for an option never registered."""
+    o = _OPTIONS[name]
     opts = getattr(environment, "parsed_options", None)
     value = getattr(opts, name, None) if opts is not None else None
-    return default if value is None else value
+    return o.default if value is None else o.parse(value)
+
+
+def config_from_options(environment, config_class: Callable[..., Any], options) -> Any:
+    """``config_class`` built from the values of ``options`` (each sets its ``field``)."""
+    return config_class(**{o.field: option(environment, o.dest) for o in options})
 
 
 # ------------------------------------------------------------------------ server discovery
@@ -111,8 +107,8 @@ _USER_INDEX = itertools.count()
 
 def server_info(environment, host: str, session: requests.Session, headers: dict[str, str]) -> ServerInfo:
     """Model name and context length: from the options, else ``GET /v1/models`` (once per host)."""
-    model = option(environment, "model", "") or ""
-    max_len = int(option(environment, "max_model_len", 0) or 0) or None
+    model = option(environment, "model")
+    max_len = option(environment, "max_model_len") or None
     key = f"{host}|{model}|{max_len}"
     info = _SERVER.get(key)
     if info is not None:
@@ -308,7 +304,7 @@ class LLMUser(User):
 
     def wait_time(self) -> float:
         """``--think-time``: exponential think time of that mean (from the user's own rng)."""
-        mean = float(option(self.environment, "think_time", 0.0) or 0.0)
+        mean = option(self.environment, "think_time")
         rng = getattr(self, "think_rng", None)
         if mean <= 0 or rng is None:
             return 0.0
@@ -318,17 +314,17 @@ class LLMUser(User):
         runner = self.environment.runner
         worker = getattr(runner, "worker_index", 0) if runner is not None else 0
         self.user_index = next(_USER_INDEX)
-        self.seed = int(option(self.environment, "seed", 0))
+        self.seed = option(self.environment, "seed")
         self.rng = random.Random(f"{self.seed}:{self.workload_name}:user:{worker}:{self.user_index}")
         self.think_rng = random.Random(f"{self.seed}:{self.workload_name}:think:{worker}:{self.user_index}")
         self.session = requests.Session()
         self.base_url = (self.host or "").rstrip("/")
         if not self.base_url:
             raise StopUser("no --host given")
-        key = option(self.environment, "api_key", "") or ""
+        key = option(self.environment, "api_key")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.timeout_s = float(option(self.environment, "request_timeout", 300.0))
-        self.samples_file = option(self.environment, "samples_file", "") or ""
+        self.timeout_s = option(self.environment, "request_timeout")
+        self.samples_file = option(self.environment, "samples_file")
         self._server: ServerInfo | None = None
 
     def on_stop(self) -> None:
@@ -351,7 +347,7 @@ class LLMUser(User):
         return self._server
 
     def max_tokens(self, default: int) -> int:
-        return int(option(self.environment, "max_tokens", 0) or 0) or default
+        return option(self.environment, "max_tokens") or default
 
     def _fire(self, name: str, response_time: float, response_length: int = 0, exception: Exception | None = None) -> None:
         self.environment.events.request.fire(
@@ -370,7 +366,7 @@ class LLMUser(User):
         body["model"] = info.model
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
-        if _bool(option(self.environment, "ignore_eos", True)):
+        if option(self.environment, "ignore_eos"):
             body["ignore_eos"] = True
         started_at = time.time()
         res = stream_completion(self.session, self.base_url + request.route, body, self.headers, self.timeout_s)
@@ -402,24 +398,33 @@ def shared_workload(environment, factory: Callable[[Any, int], Any], cfg: Any) -
 
     ``factory(cfg, seed)`` builds it (e.g. ``workloads.Rag``); ``cfg`` must be hashable.
     """
-    seed = int(option(environment, "seed", 0))
+    seed = option(environment, "seed")
     key = (factory, cfg, seed)
     if key not in _SHARED_WORKLOADS:
         _SHARED_WORKLOADS[key] = factory(cfg, seed)
     return _SHARED_WORKLOADS[key]
 
 
+def workload_from_options(environment, workload_class: Any) -> Any:
+    """The shared ``workload_class`` (e.g. ``workloads.Rag``) configured by its ``options``
+    (registered with ``register_options``); see :func:`shared_workload`."""
+    cfg = config_from_options(environment, workload_class.config_class, workload_class.options)
+    return shared_workload(environment, workload_class, cfg)
+
+
 class SamplingUser(LLMUser):
     """A user whose every task sends one request sampled from a shared workload.
 
-    Subclasses set ``workload_name`` and implement :meth:`make_workload`.
+    Subclasses set ``workload_class`` (e.g. ``workloads.Rag``) and ``workload_name``
+    (its ``name``), and register its ``options`` with ``register_options``.
     """
 
     abstract = True
+    workload_class: Any = None
 
     def make_workload(self) -> Any:
-        """The workload this user samples from (see :func:`shared_workload`)."""
-        raise NotImplementedError
+        """The workload this user samples from (see :func:`workload_from_options`)."""
+        return workload_from_options(self.environment, self.workload_class)
 
     def on_start(self) -> None:
         super().on_start()
@@ -429,11 +434,3 @@ class SamplingUser(LLMUser):
     def ask(self) -> None:
         self.send(self.workload.sample(self.rng))
 
-
-def workload_module():
-    """``locustfiles.workloads`` whether this folder is imported as a package or run as a copy."""
-    try:
-        from locustfiles import workloads
-    except ImportError:  # the folder copied alone to a load-generator host
-        import workloads  # type: ignore[no-redef]
-    return workloads

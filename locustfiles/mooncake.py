@@ -23,57 +23,38 @@ quarter of the context).
     locust -f locustfiles/mooncake.py --headless -u 8 -r 4 -t 60s --host http://127.0.0.1:8000 \\
         --trace-tokens-per-hash-id 32 --max-tokens 16
 
-Options (env): --trace-file (MOONCAKE_TRACE; default: the 800-row head of the
-Mooncake synthetic trace in ``locustfiles/data/``), --trace-tokens-per-hash-id
-(TRACE_TOKENS_PER_HASH_ID, 512), --trace-time-scale (TRACE_TIME_SCALE, 1.0),
---trace-start-row (TRACE_START_ROW, 0), --trace-loop (TRACE_LOOP, true: start over
-at the end), plus the common ones.
+Its options (``workloads.REPLAY_OPTIONS``; the default trace is the 800-row head of
+the Mooncake synthetic trace in ``locustfiles/data/``) are listed below; the common
+ones are in ``locustfiles/_common.py``.
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 from locust import events, task
 from locust.exception import StopUser
 
 try:
-    from locustfiles._common import LLMUser, _bool, option, workload_module
+    from locustfiles._common import LLMUser, config_from_options, option, register_options, workload_module
 except ImportError:  # this folder copied alone
-    from _common import LLMUser, _bool, option, workload_module  # type: ignore[no-redef]
+    from _common import (  # type: ignore[no-redef]
+        LLMUser, config_from_options, option, register_options, workload_module)
 
 W = workload_module()
-DEFAULT_TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
-                             "mooncake_synthetic_trace.head800.jsonl")
-
-
-@events.init_command_line_parser.add_listener
-def _options(parser) -> None:
-    parser.add_argument("--trace-file", env_var="MOONCAKE_TRACE", default=DEFAULT_TRACE,
-                        help="Mooncake-format JSON-lines trace")
-    parser.add_argument("--trace-tokens-per-hash-id", env_var="TRACE_TOKENS_PER_HASH_ID", type=int,
-                        default=W.MOONCAKE_BLOCK_TOKENS, help="tokens synthesized per hash id (512 = faithful)")
-    parser.add_argument("--trace-time-scale", env_var="TRACE_TIME_SCALE", type=float, default=1.0,
-                        help="multiplies every arrival time (0.5 = twice as fast)")
-    parser.add_argument("--trace-start-row", env_var="TRACE_START_ROW", type=int, default=0,
-                        help="first row to replay")
-    parser.add_argument("--trace-loop", env_var="TRACE_LOOP", type=_bool, default=True,
-                        help="start over after the last row (else users stop)")
+register_options(W.REPLAY_OPTIONS)
+__doc__ = (__doc__ or "") + W.options_doc(W.REPLAY_OPTIONS)
 
 
 class _Replay:
     """Per-process replay state: the trace, its synthesizer and the shared schedule."""
 
     def __init__(self, environment):
-        path = option(environment, "trace_file", DEFAULT_TRACE) or DEFAULT_TRACE
-        self.entries = W.load_trace(path)
-        self.synth = W.MooncakeSynth(seed=int(option(environment, "seed", 0)),
-                                     tokens_per_hash_id=int(option(environment, "trace_tokens_per_hash_id",
-                                                                   W.MOONCAKE_BLOCK_TOKENS)))
-        self.schedule = W.TraceSchedule(self.entries, time_scale=float(option(environment, "trace_time_scale", 1.0)),
-                                        loop=_bool(option(environment, "trace_loop", True)),
-                                        start_row=int(option(environment, "trace_start_row", 0)))
+        cfg = config_from_options(environment, W.ReplayConfig, W.REPLAY_OPTIONS)
+        self.entries = W.load_trace(cfg.trace_file or W.DEFAULT_TRACE)
+        self.synth = W.MooncakeSynth(seed=option(environment, "seed"), tokens_per_hash_id=cfg.tokens_per_hash_id)
+        self.schedule = W.TraceSchedule(self.entries, time_scale=cfg.time_scale, loop=cfg.loop,
+                                        start_row=cfg.start_row)
         self.t0 = time.perf_counter()
 
 
@@ -112,5 +93,5 @@ class MooncakeUser(LLMUser):
         if delay > 0:
             time.sleep(delay)
         self._fire("arrival_lag", max(0.0, -delay) * 1000)
-        cap = int(option(self.environment, "max_tokens", 0) or 0) or None
+        cap = option(self.environment, "max_tokens") or None
         self.send(r.synth.request(entry, info.max_model_len, cap, row), override_max_tokens=False)

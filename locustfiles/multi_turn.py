@@ -10,50 +10,31 @@ that keeps a conversation on one replica serves most of it from cache.
 
     locust -f locustfiles/multi_turn.py --headless -u 8 -r 4 -t 60s --host http://127.0.0.1:8000
 
-Options (env): --chat-system-words (CHAT_SYSTEM_WORDS, 120), --chat-user-words
-(CHAT_USER_WORDS, "12-40"), --chat-turns (CHAT_TURNS, "3-8"), plus the common ones
-(``--think-time`` is the user's pause between turns).
+Its options (``workloads.MultiTurn.options``) are listed below; the common ones are
+in ``locustfiles/_common.py`` (``--think-time`` is the user's pause between turns).
 """
 
 from __future__ import annotations
 
-from locust import events, task
+from locust import task
 
 try:
-    from locustfiles._common import LLMUser, option, shared_workload, workload_module
+    from locustfiles._common import LLMUser, register_options, workload_from_options, workload_module
 except ImportError:  # this folder copied alone
-    from _common import LLMUser, option, shared_workload, workload_module  # type: ignore[no-redef]
+    from _common import (  # type: ignore[no-redef]
+        LLMUser, register_options, workload_from_options, workload_module)
 
 W = workload_module()
-_DEFAULT = W.MultiTurnConfig()
-
-
-@events.init_command_line_parser.add_listener
-def _options(parser) -> None:
-    parser.add_argument("--chat-system-words", env_var="CHAT_SYSTEM_WORDS", type=int, default=_DEFAULT.system_words,
-                        help="words of the shared system prompt")
-    parser.add_argument("--chat-user-words", env_var="CHAT_USER_WORDS", default="12-40",
-                        help="words of each user message, LOW-HIGH")
-    parser.add_argument("--chat-turns", env_var="CHAT_TURNS", default="3-8",
-                        help="turns of a conversation, LOW-HIGH")
-
-
-def workload(environment):
-    cfg = W.MultiTurnConfig(
-        system_words=int(option(environment, "chat_system_words", _DEFAULT.system_words)),
-        user_words=W.parse_range(option(environment, "chat_user_words", "12-40")),
-        turns=W.parse_range(option(environment, "chat_turns", "3-8")),
-        max_tokens=_DEFAULT.max_tokens,
-    )
-    return shared_workload(environment, W.MultiTurn, cfg)
+register_options(W.MultiTurn.options)
+__doc__ = (__doc__ or "") + W.options_doc(W.MultiTurn.options)
 
 
 class MultiTurnUser(LLMUser):
-    workload_name = "multi_turn"
+    workload_name = W.MultiTurn.name
 
     def on_start(self) -> None:
         super().on_start()
-        self.workload = workload(self.environment)
+        self.workload = workload_from_options(self.environment, W.MultiTurn)
         self.conversation = None
 
     @task

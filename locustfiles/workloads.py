@@ -130,6 +130,129 @@ def parse_range(value: str | int | Sequence[int]) -> tuple[int, int]:
     return lo, hi
 
 
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_bool(value: Any) -> bool:
+    """``True``/``False``, or a string among ``1 true yes on`` / ``0 false no off`` (any case).
+
+    Raises:
+        ValueError: any other value.
+    """
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+# ----------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of the locustfiles, written once: its flag, environment variable, default, help.
+
+    The locustfiles add it to Locust's command line (``locustfiles._common.register_options``),
+    read it back parsed (``_common.option``) and list it in their docstrings
+    (:func:`options_doc`); the A/B harness (``bench/ab.py``) finds flags here too.
+
+    Attributes:
+        flag: the command-line flag, e.g. ``"--sp-groups"``; Locust's attribute is :attr:`dest`.
+        env_var: the environment variable that sets it.
+        default: its value when not given; its type is the option's (``bool``, ``int``,
+            ``float``, ``str``, or a ``(low, high)`` tuple given as ``LOW-HIGH``).
+        help: one line for ``--help``.
+        field: the workload config's field it sets (None for options read directly).
+        secret: Locust hides the value (``is_secret``).
+        web_ui: Locust shows it in its web UI (``include_in_web_ui``).
+    """
+
+    flag: str
+    env_var: str
+    default: Any
+    help: str
+    field: str | None = None
+    secret: bool = False
+    web_ui: bool = True
+
+    @property
+    def dest(self) -> str:
+        """Locust's attribute name of the parsed value: ``"--sp-groups"`` -> ``"sp_groups"``."""
+        return self.flag.lstrip("-").replace("-", "_")
+
+    def parse(self, value: Any) -> Any:
+        """``value`` (a string from the command line or environment, or already parsed) as
+        the default's type. Raises ``ValueError`` on a bad value."""
+        d = self.default
+        if isinstance(d, bool):
+            return parse_bool(value)
+        if isinstance(d, tuple):
+            return parse_range(value)
+        if isinstance(d, int):
+            return int(value)
+        if isinstance(d, float):
+            return float(value)
+        return str(value)
+
+    def text_default(self) -> str:
+        """The default as written on a command line (``16-64``, ``true``, ``300.0``)."""
+        d = self.default
+        if isinstance(d, bool):
+            return str(d).lower()
+        if isinstance(d, tuple):
+            return f"{d[0]}-{d[1]}"
+        return str(d)
+
+
+def config_options(config: Any, *specs: tuple[str, str, str, str]) -> tuple[Option, ...]:
+    """The options of a workload config: ``(flag, env_var, field, help)`` each, the
+    default being ``config``'s value of ``field`` (so it is written only in the config)."""
+    return tuple(Option(flag, env, getattr(config, name), help, field=name) for flag, env, name, help in specs)
+
+
+def by_field(options: Sequence[Option], name: str) -> Option:
+    """The option of ``options`` that sets config field ``name``; ``KeyError`` if none does."""
+    for o in options:
+        if o.field == name:
+            return o
+    raise KeyError(name)
+
+
+def options_doc(options: Sequence[Option], title: str = "Options") -> str:
+    """A reST list of ``options`` for a module docstring: flag, environment variable, default, help."""
+    lines = [f"\n\n{title} (command line, ``locust.conf``, or environment):\n"]
+    for o in options:
+        lines.append(f"* ``{o.flag}`` (``{o.env_var}``, default {o.text_default() or 'empty'}): {o.help}.")
+    return "\n".join(lines) + "\n"
+
+
+COMMON_OPTIONS: tuple[Option, ...] = (
+    Option("--model", "LOCUST_MODEL", "", "model name to request (empty: the first of GET /v1/models)"),
+    Option("--api-key", "OPENAI_API_KEY", "", "bearer token sent as 'Authorization: Bearer ...' (optional)",
+           secret=True),
+    Option("--seed", "LOCUST_SEED", 0, "seed of the prompt generators (same seed, same prompts)"),
+    Option("--max-tokens", "LOCUST_MAX_TOKENS", 0, "completion tokens per request (0: the workload's default)"),
+    Option("--ignore-eos", "LOCUST_IGNORE_EOS", True, "generate exactly max_tokens (vLLM's ignore_eos)"),
+    Option("--max-model-len", "LOCUST_MAX_MODEL_LEN", 0,
+           "context length of the model (0: from GET /v1/models, else unbounded)"),
+    Option("--request-timeout", "LOCUST_REQUEST_TIMEOUT", 300.0, "seconds a request may take"),
+    Option("--think-time", "LOCUST_THINK_TIME", 0.0,
+           "mean seconds a user waits between its requests, exponentially distributed (0: back to back, "
+           "a closed loop)"),
+    Option("--samples-file", "LOCUST_SAMPLES_FILE", "", "append one JSON line per request to this file",
+           web_ui=False),
+)
+"""Options of every locustfile (``locustfiles/_common.py``)."""
+
+COMMON: dict[str, Option] = {o.dest: o for o in COMMON_OPTIONS}
+""":data:`COMMON_OPTIONS` by :attr:`Option.dest` (``COMMON["seed"].env_var == "LOCUST_SEED"``)."""
+
+
 class _Popularity:
     """Draws item indices with Zipf-skewed popularity (index 0 is the most popular)."""
 
@@ -186,6 +309,15 @@ class SharedPrefix:
     """Shared system prompts in groups of skewed popularity (see module doc)."""
 
     name = "shared_prefix"
+    config_class = SharedPrefixConfig
+    options = config_options(
+        SharedPrefixConfig(),
+        ("--sp-groups", "SP_GROUPS", "groups", "shared system prompts (groups)"),
+        ("--sp-system-tokens", "SP_SYSTEM_TOKENS", "system_tokens", "tokens of each system prompt"),
+        ("--sp-question-tokens", "SP_QUESTION_TOKENS", "question_tokens",
+         "fresh tokens after the system prompt, LOW-HIGH"),
+        ("--sp-zipf", "SP_ZIPF", "zipf_s", "Zipf exponent of group popularity (0 = uniform)"),
+    )
 
     def __init__(self, cfg: SharedPrefixConfig = SharedPrefixConfig(), seed: int = 0):
         self.cfg = cfg
@@ -219,6 +351,13 @@ class MultiTurn:
     """Chat users that keep and grow their own history (see module doc)."""
 
     name = "multi_turn"
+    config_class = MultiTurnConfig
+    options = config_options(
+        MultiTurnConfig(),
+        ("--chat-system-words", "CHAT_SYSTEM_WORDS", "system_words", "words of the shared system prompt"),
+        ("--chat-user-words", "CHAT_USER_WORDS", "user_words", "words of each user message, LOW-HIGH"),
+        ("--chat-turns", "CHAT_TURNS", "turns", "turns of a conversation, LOW-HIGH"),
+    )
 
     def __init__(self, cfg: MultiTurnConfig = MultiTurnConfig(), seed: int = 0):
         self.cfg = cfg
@@ -304,6 +443,15 @@ class Rag:
     """Long documents x many questions: the document is the shared prefix."""
 
     name = "rag"
+    config_class = RagConfig
+    options = config_options(
+        RagConfig(),
+        ("--rag-documents", "RAG_DOCUMENTS", "documents", "documents in the corpus"),
+        ("--rag-document-words", "RAG_DOCUMENT_WORDS", "document_words",
+         "words of each document (400: about 560 tokens on the tiny model, 520 on large vocabularies)"),
+        ("--rag-question-words", "RAG_QUESTION_WORDS", "question_words", "words of each question, LOW-HIGH"),
+        ("--rag-zipf", "RAG_ZIPF", "zipf_s", "Zipf exponent of document popularity (0 = uniform)"),
+    )
 
     def __init__(self, cfg: RagConfig = RagConfig(), seed: int = 0):
         self.cfg = cfg
@@ -352,6 +500,16 @@ class MultiTenant:
     """Tenants sending the same app prompts, isolated by a ``cache_salt`` each."""
 
     name = "multi_tenant"
+    config_class = MultiTenantConfig
+    options = config_options(
+        MultiTenantConfig(),
+        ("--tenants", "TENANTS", "tenants", "tenants (one cache_salt each)"),
+        ("--tenant-zipf", "TENANT_ZIPF", "zipf_s", "Zipf exponent of tenant popularity (0 = uniform)"),
+        ("--tenant-groups", "TENANT_GROUPS", "groups", "app prompts shared by all tenants"),
+        ("--tenant-prompt-tokens", "TENANT_PROMPT_TOKENS", "system_tokens", "tokens of each app prompt"),
+        ("--tenant-question-tokens", "TENANT_QUESTION_TOKENS", "question_tokens",
+         "fresh tokens after the app prompt, LOW-HIGH"),
+    )
 
     def __init__(self, cfg: MultiTenantConfig = MultiTenantConfig(), seed: int = 0):
         self.cfg = cfg
@@ -463,6 +621,33 @@ class MooncakeSynth:
         prompt = self.prompt(entry, limit)
         return LLMRequest(COMPLETIONS, {"prompt": prompt, "max_tokens": out},
                           tag=f"row-{row}" if row is not None else "", meta={"row": row})
+
+
+DEFAULT_TRACE = str(Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.head800.jsonl")
+"""The 800-row head of the Mooncake synthetic trace (``locustfiles/data/``)."""
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """How ``locustfiles/mooncake.py`` replays a trace (see :class:`MooncakeSynth`, :class:`TraceSchedule`)."""
+
+    trace_file: str = DEFAULT_TRACE
+    tokens_per_hash_id: int = MOONCAKE_BLOCK_TOKENS
+    time_scale: float = 1.0
+    start_row: int = 0
+    loop: bool = True
+
+
+REPLAY_OPTIONS = config_options(
+    ReplayConfig(),
+    ("--trace-file", "MOONCAKE_TRACE", "trace_file", "Mooncake-format JSON-lines trace"),
+    ("--trace-tokens-per-hash-id", "TRACE_TOKENS_PER_HASH_ID", "tokens_per_hash_id",
+     "tokens synthesized per hash id (512 = faithful)"),
+    ("--trace-time-scale", "TRACE_TIME_SCALE", "time_scale", "multiplies every arrival time (0.5 = twice as fast)"),
+    ("--trace-start-row", "TRACE_START_ROW", "start_row", "first row to replay"),
+    ("--trace-loop", "TRACE_LOOP", "loop", "start over after the last row (else users stop)"),
+)
+"""Options of ``locustfiles/mooncake.py``."""
 
 
 class TraceSchedule:

@@ -21,6 +21,8 @@ import httpx
 import pytest
 import yaml
 
+from locustfiles import workloads as W
+
 REPO = Path(__file__).resolve().parent.parent
 TEST_HTTP_PORT = int(os.environ.get("PREFIX_SERVE_TEST_PORT", "18000"))
 BASE_URL = f"http://127.0.0.1:{TEST_HTTP_PORT}"
@@ -31,6 +33,21 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Keep every socket of the test cluster on loopback: Ray's node address, and the
 # engines' KV-event and metrics endpoints (which bind VLLM_HOST_IP).
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With ``PREFIX_SERVE_EXT_DIR`` set (``make test-asan``), refuse to run unless the C extensions
+    imported are the ones built there: a sanitizer run against the normal build would prove nothing."""
+    want = os.environ.get("PREFIX_SERVE_EXT_DIR")
+    if not want:
+        return
+    import routing._blocktable
+    import routing._chain
+
+    for module in (routing._blocktable, routing._chain):
+        where = Path(module.__file__ or "").resolve()
+        if not where.is_relative_to(Path(want).resolve()):
+            raise pytest.UsageError(f"{module.__name__} was imported from {where}, not from {want}")
 
 
 def default_config() -> dict[str, Any]:
@@ -172,7 +189,7 @@ def run_locust(app, locustfile: str, seconds: int, out: Path, *extra: str) -> tu
     """Run ``locustfiles/<locustfile>`` headless against ``app`` for ``seconds`` with 4
     users, as a user would; returns (exit code, CSV stats by (Type, Name), the
     per-request samples, the output)."""
-    env = {**os.environ, "LOCUST_SAMPLES_FILE": str(out / "samples.jsonl")}
+    env = {**os.environ, W.COMMON["samples_file"].env_var: str(out / "samples.jsonl")}
     cmd = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfiles" / locustfile), "--headless",
            "-u", "4", "-r", "4", "-t", f"{seconds}s", "--host", app.base_url,
            "--csv", str(out / "locust"), "--html", str(out / "report.html"), "--only-summary", *extra]

@@ -20,7 +20,7 @@ from locustfiles import workloads as W
 REPO = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 4096  # serve_config.yaml engine.max_model_len
 VOCAB = 1024  # the tiny default model's vocabulary
-TRACE = REPO / "locustfiles" / "data" / "mooncake_synthetic_trace.head800.jsonl"
+TRACE = Path(W.DEFAULT_TRACE)
 
 
 def draw(workload, seed: int, n: int):
@@ -89,6 +89,50 @@ def test_parse_range():
     assert W.parse_range(8) == (8, 8)
     with pytest.raises(ValueError):
         W.parse_range("9-3")
+
+
+OPTION_TABLES = {"common": (W.COMMON_OPTIONS, None), "replay": (W.REPLAY_OPTIONS, W.ReplayConfig),
+                 **{c.name: (c.options, c.config_class) for c in (W.SharedPrefix, W.MultiTurn, W.Rag, W.MultiTenant)}}
+
+
+@pytest.mark.parametrize("table", sorted(OPTION_TABLES))
+def test_each_workload_option_sets_a_config_field_and_takes_its_default_from_it(table):
+    options, config_class = OPTION_TABLES[table]
+    if config_class is None:
+        assert all(o.field is None for o in options)
+        return
+    cfg = config_class()
+    for o in options:
+        assert getattr(cfg, o.field) == o.default
+        assert o.parse(o.text_default()) == o.default  # the command-line form reads back as the default
+    # a config built from the defaults is the config's own default
+    assert config_class(**{o.field: o.parse(o.text_default()) for o in options}) == cfg
+
+
+def test_flags_and_env_vars_are_unique_across_the_locustfiles():
+    every = [o for options, _ in OPTION_TABLES.values() for o in options]
+    assert len({o.flag for o in every}) == len(every)
+    assert len({o.env_var for o in every}) == len(every)
+    assert W.COMMON["seed"].flag == "--seed" and W.COMMON["samples_file"].env_var == "LOCUST_SAMPLES_FILE"
+    assert W.by_field(W.SharedPrefix.options, "groups").dest == "sp_groups"
+    with pytest.raises(KeyError):
+        W.by_field(W.SharedPrefix.options, "no_such_field")
+
+
+def test_option_parse_follows_the_default_type():
+    assert W.by_field(W.MultiTenant.options, "question_tokens").parse("3-9") == (3, 9)
+    assert W.COMMON["ignore_eos"].parse("off") is False and W.COMMON["ignore_eos"].parse("YES") is True
+    assert W.COMMON["request_timeout"].parse("2") == 2.0
+    with pytest.raises(ValueError):
+        W.COMMON["ignore_eos"].parse("maybe")
+    with pytest.raises(ValueError):
+        W.COMMON["seed"].parse("x")
+
+
+def test_options_doc_lists_every_option_with_its_default():
+    doc = W.options_doc(W.SharedPrefix.options)
+    for o in W.SharedPrefix.options:
+        assert f"``{o.flag}`` (``{o.env_var}``, default {o.text_default()})" in doc
 
 
 # ------------------------------------------------------------------ text workloads (tokenizer)
