@@ -15,14 +15,20 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install model serve test test-unit bench soak ab sim clean system-deps
+.PHONY: install model serve test test-unit test-engine test-asan lint bench soak ab sim clean system-deps build-deps
 
-install: $(STAMP)
+install: build-deps $(STAMP)
+
+# Build dependencies beyond Python: xxHash's C library (header-only; routing/_chain.c includes it).
+build-deps:
+	@test -f /usr/include/xxhash.h || test -n "$$XXHASH_INCLUDE_DIR" || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends libxxhash-dev >/dev/null; }
 
 $(STAMP): pyproject.toml setup.py routing/_blocktable.c routing/_chain.c bench/requirements-peers.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip wheel
-	$(PY) -m pip install --quiet $(PIP_INDEX) -e ".[$(EXTRA),test]"
+	$(PY) -m pip install --quiet $(PIP_INDEX) -e ".[$(EXTRA),test,lint]"
 	$(PY) -m pip install --quiet --no-deps -r bench/requirements-peers.txt
 ifeq ($(EXTRA),cpu)
 	@# PyPI's torchvision/torchaudio/torchcodec do not load beside torch+cpu and break
@@ -51,11 +57,37 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
+# The fast lane first (static checks, the C code under sanitizers, the unit tests: a few minutes),
+# then the modules that start real vLLM engines.
 test: install model system-deps
-	$(PY) -m pytest tests
+	$(MAKE) --no-print-directory lint
+	$(MAKE) --no-print-directory test-asan
+	$(MAKE) --no-print-directory test-unit
+	$(MAKE) --no-print-directory test-engine
 
 test-unit: install
 	$(PY) -m pytest tests -m "not engine"
+
+test-engine: install model system-deps
+	$(PY) -m pytest tests -m engine
+
+# Both C extensions built with AddressSanitizer + UndefinedBehaviorSanitizer into build/asan (a copy of
+# routing/ beside them), and the C and index tests run against that copy: libasan preloaded (CPython is
+# not instrumented), PYTHONMALLOC=malloc so PyMem blocks are ASan's, leaks not checked (CPython keeps
+# objects until exit), any UB report fatal.
+ASAN_TESTS := tests/test_blocktable.py tests/test_block_keys.py tests/test_index.py tests/test_key_events.py tests/test_affinity.py
+test-asan: install
+	rm -rf build/asan build/asan-tmp && mkdir -p build/asan/routing
+	cp routing/*.py build/asan/routing/
+	PREFIX_SERVE_SANITIZE=1 $(PY) setup.py -q build_ext --build-lib build/asan --build-temp build/asan-tmp
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" PYTHONMALLOC=malloc PYTHONPATH=build/asan PREFIX_SERVE_EXT_DIR=build/asan \
+	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  $(VENV)/bin/pytest -p no:cacheprovider --import-mode=append -q $(ASAN_TESTS)
+
+# Static checks (configured in pyproject.toml): ruff on all Python code, mypy on app, routing, bench.
+lint: install
+	$(PY) -m ruff check app routing bench tests locustfiles infra
+	$(PY) -m mypy
 
 bench: install
 	$(PY) -m bench.router_overhead --json reports/router_overhead.json
