@@ -156,7 +156,7 @@ def decode_key_frames(frames: Sequence[bytes]) -> tuple[int, KeyEventBatch]:
     except msgspec.DecodeError as e:  # ValidationError included
         raise KeyDecodeError(f"malformed key event batch: {e}") from e
     for ev in batch.events:
-        if type(ev) is not AllKeysCleared and len(ev.keys) % 8:
+        if not isinstance(ev, AllKeysCleared) and len(ev.keys) % 8:
             raise KeyDecodeError(f"keys of {type(ev).__name__} are {len(ev.keys)} bytes, not whole uint64s")
     return int.from_bytes(frames[1], "big"), batch
 

@@ -312,6 +312,7 @@ def choose_replica(
     weight = config.uncached_weight
     if config.busy_cluster_weight and prompt > 0:
         busy = least_queued_free if free else least_queued
+        assert busy is not None  # candidates is not empty (max(cached) above)
         weight *= 1.0 + config.busy_cluster_weight * busy / prompt
     extra_per_uncached = (weight - 1.0) * per_token
     scores = [cost + (prompt - c) * extra_per_uncached for cost, c in zip(costs, cached)]

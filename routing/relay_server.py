@@ -85,7 +85,7 @@ class RelayServer:
         self.epoch = secrets.randbits(63)
         self.seq = -1  # last published
         self._expected: int | None = None  # next vLLM seq
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         host = f"[{bind_host}]" if ":" in bind_host else bind_host  # an IPv6 address goes in brackets
         self._pub = self._socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)

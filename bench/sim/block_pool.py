@@ -34,9 +34,9 @@ token ids from ``BlockStored`` events.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from routing.events import BlockRemoved, BlockStored, KVEvent
+from routing.events import BlockRemoved, BlockStored, EngineBlockHash, KVEvent
 
 __all__ = ["BlockPool", "MEDIUM_GPU"]
 
@@ -127,7 +127,7 @@ class BlockPool:
         hash_of = self.hash_of
         popitem = free.popitem
         out: list[int] = []
-        removed: list[int] | None = None
+        removed: list[EngineBlockHash] | None = None
         for _ in range(n):
             b = popitem(last=False)[0]
             h = hash_of[b]
@@ -147,15 +147,15 @@ class BlockPool:
         entry = self.cached.get(h)
         if entry is None:
             pass
-        elif type(entry) is int:
+        elif isinstance(entry, int):
             if entry == b:
                 del self.cached[h]
         else:
-            entry.pop(b, None)  # type: ignore[union-attr]
+            entry.pop(b, None)
             if not entry:
                 del self.cached[h]
-            elif len(entry) == 1:  # type: ignore[arg-type]
-                self.cached[h] = next(iter(entry))  # type: ignore[call-overload]
+            elif len(entry) == 1:
+                self.cached[h] = next(iter(entry))
         self.hash_of[b] = None
         self.evictions += 1
 
@@ -191,23 +191,23 @@ class BlockPool:
             entry = cached.get(h)
             if entry is None:
                 cached[h] = b
-            elif type(entry) is int:
+            elif isinstance(entry, int):
                 if entry != b:
                     cached[h] = {entry: None, b: None}
             else:
-                entry[b] = None  # type: ignore[index]
+                entry[b] = None
         if self.enable_events:
             bs = self.block_size
             extra: list[tuple | None] = [None] * (end - start)
             if start == 0 and cache_salt:
                 extra[0] = (cache_salt,)
             assert token_ids is not None, "BlockStored needs the request's token ids"
+            tokens = token_ids[start * bs : end * bs]
             self.events.append(
                 BlockStored(
                     block_hashes=list(hashes[start:end]),
                     parent_block_hash=hashes[start - 1] if start else None,
-                    token_ids=token_ids[start * bs : end * bs].tolist()
-                    if hasattr(token_ids, "tolist") else list(token_ids[start * bs : end * bs]),
+                    token_ids=tokens.tolist() if hasattr(tokens, "tolist") else list(tokens),
                     block_size=bs,
                     lora_id=None,
                     medium=MEDIUM_GPU,
@@ -217,7 +217,7 @@ class BlockPool:
                 )
             )
 
-    def free_blocks(self, blocks_in_eviction_order: Sequence[int]) -> None:
+    def free_blocks(self, blocks_in_eviction_order: Iterable[int]) -> None:
         """Drop one reference from each block; released ones join the free queue.
 
         Hashed blocks are appended (evicted last, in the order given), unhashed

@@ -89,7 +89,7 @@ def simulate_policy(
     workload: Workload,
     policy: Policy,
     cfg: ClusterConfig,
-    on_done: Callable[[int], None] | None = None,
+    on_done: Callable[[int], object] | None = None,
 ) -> PolicyRun:
     """Run ``workload`` through ``policy`` on a fresh cluster.
 
@@ -105,7 +105,8 @@ def simulate_policy(
         workload.prepare(bs)
     n = len(workload.requests)
     on_done = on_done or (lambda k: None)
-    heap: list[tuple[float, int, int, int, object]] = []
+    # (time, seq, kind, replica, the frames of a _DELIVER)
+    heap: list[tuple[float, int, int, int, tuple[bytes, bytes, bytes] | None]] = []
     seq = 0
     uses_events = policy.uses_events
 
@@ -195,7 +196,8 @@ def simulate_policy(
                         heapq.heappush(heap, (at, seq, _DELIVER, i, frames))
                 kick(i, now)
             else:
-                path.deliver(replicas[i].id, payload, now)  # type: ignore[union-attr]
+                assert path is not None and payload is not None  # only an event path queues a _DELIVER
+                path.deliver(replicas[i].id, payload, now)
                 policy.on_events_applied(i, now)
             continue
         if ai >= n:

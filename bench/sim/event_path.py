@@ -21,13 +21,20 @@ so the sequence check only asserts order.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol, cast
 
-from routing.events import BlockStored, KVEvent, decode_frames, encode_batch, encode_frames
+from routing.events import BlockStored, DecodedBatch, KVEvent, decode_frames, encode_batch, encode_frames
 from routing.index import BlockIndex
 from routing.key_events import decode_key_frames, encode_key_frames
 from routing.relay import KeyRelay
 
-__all__ = ["EventPath"]
+__all__ = ["BatchIndex", "EventPath"]
+
+
+class BatchIndex(Protocol):
+    """A peer's index, fed vLLM's own event batches (``bench.sim.policies.DynamoRadixIndex``)."""
+
+    def apply_batch(self, replica_id: str, batch: DecodedBatch) -> None: ...
 
 
 class EventPath:
@@ -42,16 +49,20 @@ class EventPath:
             first ``BlockStored``).
     """
 
-    def __init__(self, index: BlockIndex, lag_s: float, replica_ids: Sequence[str] = (),
+    def __init__(self, index: BlockIndex | BatchIndex, lag_s: float, replica_ids: Sequence[str] = (),
                  block_size: int | None = None) -> None:
         if lag_s < 0:
             raise ValueError(f"lag_s must be >= 0, got {lag_s}")
         self.index = index
         self.lag_s = lag_s
         self.block_size = block_size
-        self.relays: dict[str, KeyRelay] | None = {} if hasattr(index, "apply_keys") else None
-        for rid in replica_ids if self.relays is not None else ():
-            index.add_replica(rid)
+        # An index with apply_keys gets key events through a relay per replica, any other vLLM's batches.
+        self._key_index = cast(BlockIndex, index) if hasattr(index, "apply_keys") else None
+        self._batch_index = cast(BatchIndex, index) if self._key_index is None else None
+        self.relays: dict[str, KeyRelay] | None = {} if self._key_index is not None else None
+        if self._key_index is not None:
+            for rid in replica_ids:
+                self._key_index.add_replica(rid)
         self._next_seq: dict[str, int] = {}
         self._expected: dict[str, int] = {}
         self.last_event_at: dict[str, float] = {}
@@ -71,13 +82,15 @@ class EventPath:
         return now + self.lag_s, frames
 
     def _relay(self, replica_id: str, events: Sequence[KVEvent]) -> KeyRelay:
-        relay = self.relays.get(replica_id)  # type: ignore[union-attr]
+        relays, index = self.relays, self._key_index
+        assert relays is not None and index is not None  # publish() relays only to an index of keys
+        relay = relays.get(replica_id)
         if relay is None:
             bs = self.block_size or next((e.block_size for e in events if isinstance(e, BlockStored)), None)
             if bs is None:
                 raise ValueError(f"block size of {replica_id} unknown: pass block_size")
-            relay = self.relays[replica_id] = KeyRelay(bs)  # type: ignore[index]
-            self.index.add_replica(replica_id)
+            relay = relays[replica_id] = KeyRelay(bs)
+            index.add_replica(replica_id)
         return relay
 
     def deliver(self, replica_id: str, frames: tuple[bytes, bytes, bytes], now: float) -> None:
@@ -86,18 +99,23 @@ class EventPath:
         Raises:
             RuntimeError: messages of one replica out of order (a simulator bug).
         """
-        if self.relays is not None:
-            seq, batch = decode_key_frames(frames)
+        if self._key_index is not None:
+            seq, key_batch = decode_key_frames(frames)
+            self._check_order(replica_id, seq)
+            self._key_index.apply_keys(replica_id, key_batch.events)
+            n_events = len(key_batch.events)
         else:
+            assert self._batch_index is not None
             _topic, seq, batch = decode_frames(frames)
+            self._check_order(replica_id, seq)
+            self._batch_index.apply_batch(replica_id, batch)
+            n_events = len(batch.events)
+        self.last_event_at[replica_id] = now
+        self.batches += 1
+        self.events += n_events
+
+    def _check_order(self, replica_id: str, seq: int) -> None:
         expected = self._expected.get(replica_id, 0)
         if seq != expected:
             raise RuntimeError(f"event seq {seq} from {replica_id}, expected {expected}")
         self._expected[replica_id] = seq + 1
-        if self.relays is not None:
-            self.index.apply_keys(replica_id, batch.events)
-        else:
-            self.index.apply_batch(replica_id, batch)
-        self.last_event_at[replica_id] = now
-        self.batches += 1
-        self.events += len(batch.events)

@@ -81,6 +81,7 @@ from routing import defaults
 from routing.affinity import Candidate
 from routing.events import BlockRemoved, BlockStored
 from routing.index import BlockIndex
+from routing.policy import Decision
 
 if TYPE_CHECKING:  # pragma: no cover
     from bench.sim.replica import Replica
@@ -336,6 +337,7 @@ class DynamoRadixIndex:
         worker = self.worker[replica_id]
         for ev in batch.events:
             self.event_id += 1
+            data: dict[str, Any]
             if isinstance(ev, BlockStored):
                 data = {"stored": {"parent_hash": ev.parent_block_hash,
                                    "blocks": [{"block_hash": h, "tokens_hash": h} for h in ev.block_hashes]}}
@@ -350,7 +352,8 @@ class DynamoRadixIndex:
                 self.rejected_events += 1
 
     def match(self, keys, replica_ids, now) -> dict[str, int]:
-        scores = self.tree.find_matches(list(keys)).scores if len(keys) else {}
+        # Keyed by (worker_id, dp_rank) at run time (Dynamo's stub says worker_id).
+        scores: dict[Any, int] = self.tree.find_matches(list(keys)).scores if len(keys) else {}
         return {rid: scores.get((self.worker[rid], 0), 0) for rid in replica_ids}
 
 
@@ -485,7 +488,7 @@ class PrefixAffinityPolicy(Policy):
         self.scraper = StatsScraper(ctx.replicas, ctx.routing_stats_period_s)
         self.last_event_at: dict[str, float] = {}  # replica -> when its last event batch was applied
         self.reasons: dict[str, int] = {}
-        self._decision = None
+        self._decision: tuple[Sequence[int], Decision] | None = None
 
     @property
     def index(self):
@@ -502,6 +505,7 @@ class PrefixAffinityPolicy(Policy):
         return self.ctx.ids.index(self._decision[1].replica_id)
 
     def routed(self, req, r, now):
+        assert self._decision is not None, "routed() follows choose()"
         keys, decision = self._decision
         uid = self.ctx.ids[r]
         routed = self.router.routed(req.rid, uid, keys, req.prompt_len, self.ctx.block_size, decision, now,

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--rates must be finite: {args.rates!r}")
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     unknown = [p for p in presets if p not in PRESETS]
-    if unknown or not rates or min(rates) <= 0:
+    if unknown or not presets or not rates or min(rates) <= 0:
         raise SystemExit(f"--presets must be of {', '.join(sorted(PRESETS))} and --rates positive")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp.write_text(json.dumps(rep, indent=1), encoding="utf-8")
             os.replace(tmp, path)
             reports.append(rep)
+    assert name is not None  # presets and rates are not empty
     # The figure and the table cover every report of this workload in OUT (other presets too).
     done = {report_path(out, name, r["config"]["preset"], r["config"]["rate_scale"]) for r in reports}
     for path in sorted(out.glob(f"{name}_*_x*.json")):
