@@ -50,6 +50,7 @@ from app import metrics, tracing
 from app import protocol as stats_keys
 from app.config import RouterConfig
 from app.protocol import EngineRequest
+from app.router_ranks import chosen_first, no_candidates
 from routing.affinity import Candidate, with_adapter
 from routing.block_keys import block_keys
 from routing.subscriber import EventSubscriber
@@ -140,9 +141,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
-            if pending_request is not None:
-                pending_request.routing_context.should_backoff = True
-            return []
+            return no_candidates(pending_request)
         try:
             if self.init_error is not None:
                 return self._fallback(candidate_replicas, pending_request, "router_config")
@@ -219,7 +218,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         for stale in (self._pending, self._chosen_at, self._fallbacks):  # requests cancelled before they were sent
             while len(stale) > _MAX_PENDING:
                 stale.pop(next(iter(stale)))
-        return [[by_uid[decision.replica_id]], [by_uid[u] for u in rest]] if rest else [[by_uid[decision.replica_id]]]
+        return chosen_first(by_uid[decision.replica_id], [by_uid[u] for u in rest])
 
     def _block_size(self, candidates: list[RunningReplica]) -> int | None:
         for r in candidates:

@@ -16,6 +16,8 @@ from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 
+from app.router_ranks import chosen_first, no_candidates
+
 
 class RoundRobinRouter(FIFOMixin, RequestRouter):
     """Sends the n-th routed request to the n-th replica (sorted by id), cyclically.
@@ -31,11 +33,8 @@ class RoundRobinRouter(FIFOMixin, RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
-            if pending_request is not None:
-                pending_request.routing_context.should_backoff = True
-            return []
+            return no_candidates(pending_request)
         order = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         i = self._turn % len(order)
         self._turn += 1
-        rest = order[i + 1:] + order[:i]
-        return [[order[i]], rest] if rest else [[order[i]]]
+        return chosen_first(order[i], order[i + 1:] + order[:i])
