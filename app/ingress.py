@@ -62,6 +62,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse as _StarletteJSONResponse
 from fastapi.responses import StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -87,7 +89,9 @@ fastapi_app = FastAPI(title="prefix-serve", description="OpenAI-compatible API w
 
 # Errors that mean the chosen engine replica is gone; a request whose answer has
 # not started yet is sent again (the router then picks a live replica).
-_RETRYABLE = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ReplicaUnavailableError")
+_RETRYABLE = (RayActorError, ReplicaUnavailableError)
+"""Replica loss: the engine actor died or is unreachable (``ActorDiedError`` and
+``ActorUnavailableError`` are ``RayActorError``s), or Serve's chosen replica is gone."""
 _MAX_ATTEMPTS = 3
 _SERVER_SIDE = (TimeoutError, MemoryError, NotImplementedError, RuntimeError)
 """Rendering failures that are the service's, not the client's text: vLLM's status stays."""
@@ -150,7 +154,7 @@ def _tell_routers_first_token(request_id: str) -> None:
 def _caused_by_replica_loss(e: BaseException | None) -> bool:
     seen = 0
     while e is not None and seen < 5:
-        if type(e).__name__ in _RETRYABLE:
+        if isinstance(e, _RETRYABLE):
             return True
         e = e.__cause__ or e.__context__
         seen += 1

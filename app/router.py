@@ -42,9 +42,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Any
 
-from ray.serve._private.request_router.common import PendingRequest
-from ray.serve._private.request_router.replica_wrapper import RunningReplica
-from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from app import metrics, tracing
 from app import protocol as stats_keys

@@ -68,6 +68,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from ray.serve.config import RequestRouterConfig
+
 from bench.stats import percentile
 from locustfiles import workloads as W
 
@@ -75,7 +77,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 ROUTERS: dict[str, str | None] = {
     "ours": None,  # the config's own request_router_config (app.router:PrefixAffinityRouter)
-    "pow2": "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter",
+    "pow2": RequestRouterConfig().request_router_class,  # Serve's default: power of two choices
     "round_robin": "bench.ab_routers:RoundRobinRouter",
     "ray_prefix": "bench.ab_ray_router:RayPrefixCacheAffinityRouter",
 }

@@ -28,8 +28,7 @@ from typing import Any
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
     PrefixCacheAffinityRouter,
 )
-from ray.serve._private.request_router.common import PendingRequest
-from ray.serve._private.request_router.replica_wrapper import RunningReplica
+from ray.serve.request_router import PendingRequest, RunningReplica
 
 
 def token_text(request: Any) -> str | None:

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray.serve._private.request_router.common import PendingRequest
-from ray.serve._private.request_router.replica_wrapper import RunningReplica
-from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from app.router_ranks import chosen_first, no_candidates
 
