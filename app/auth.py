@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import hmac
 import os
+from typing import TypedDict
 
 from app.errors import error_body
 
-_state: dict[str, object] = {"key": None, "public": frozenset()}
+
+class _State(TypedDict):
+    key: str | None
+    public: frozenset[str]
+
+
+_state: _State = {"key": None, "public": frozenset()}
 
 
 def configure(env_var: str, public_paths: frozenset[str] = frozenset()) -> bool:

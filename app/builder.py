@@ -30,19 +30,22 @@ ROUTING_STATS_PERIOD_S = 1.0
 ROUTING_STATS_TIMEOUT_S = 10.0
 
 
-def router_config(router_class: str = DEFAULT_ROUTER_CLASS, kwargs: dict[str, Any] | None = None) -> RequestRouterConfig:
+def router_config(router_class: str = DEFAULT_ROUTER_CLASS,
+                  kwargs: dict[str, Any] | None = None) -> RequestRouterConfig:
     """The engine deployment's ``RequestRouterConfig`` for ``router_class``.
 
     ``kwargs``: the router's ``initialize_state`` kwargs (for ours,
     ``RouterConfig.model_dump()``); routing stats are polled every
     ``ROUTING_STATS_PERIOD_S`` seconds (``ROUTING_STATS_TIMEOUT_S`` timeout).
     """
-    return RequestRouterConfig(
+    # One mapping: Ray annotates RequestRouterConfig(**kwargs: dict[str, Any]), i.e. every value a dict.
+    fields: dict[str, Any] = dict(
         request_router_class=router_class,
         request_router_kwargs=kwargs or {},
         request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
         request_routing_stats_timeout_s=ROUTING_STATS_TIMEOUT_S,
     )
+    return RequestRouterConfig(**fields)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -69,9 +72,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         engine_options["ray_actor_options"] = {"num_cpus": er.num_cpus, "num_gpus": 0}
     else:
         engine_options["ray_actor_options"] = {"num_cpus": er.num_cpus, "num_gpus": er.num_gpus}
-    engine = VLLMEngine.options(**engine_options).bind(cfg.model_dump())
+    # @serve.deployment made both classes Deployments; mypy keeps a decorated class's own type.
+    engine = VLLMEngine.options(**engine_options).bind(cfg.model_dump())  # type: ignore[attr-defined]
     ir = cfg.ingress_replicas
-    return OpenAIIngress.options(
+    return OpenAIIngress.options(  # type: ignore[attr-defined]
         num_replicas=ir.num_replicas,
         max_ongoing_requests=ir.max_ongoing_requests,
         graceful_shutdown_timeout_s=drain,

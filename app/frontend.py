@@ -22,9 +22,12 @@ each named after the vLLM command-line flag it stands for.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from app.config import AppArgs, resolve_path
+
+if TYPE_CHECKING:
+    from vllm.config.model import ModelDType
 
 
 def engine_args(cfg: AppArgs, kv_events_topic: str | None = None, otlp_traces_endpoint: str | None = None):
@@ -57,7 +60,7 @@ def engine_args(cfg: AppArgs, kv_events_topic: str | None = None, otlp_traces_en
         enable_prefix_caching=True,
         block_size=engine.block_size,
         max_model_len=engine.max_model_len,
-        dtype=engine.dtype,
+        dtype=cast("ModelDType", engine.dtype),  # any other string: vLLM's own error
         quantization=engine.quantization,
         tensor_parallel_size=tp,
         distributed_executor_backend="ray" if tp > 1 else None,
@@ -169,20 +172,21 @@ class EngineFrontend:
     def __init__(self, engine_client: Any, cfg: AppArgs):
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+        from vllm.entrypoints.openai.models.protocol import LoRAModulePath
         from vllm.entrypoints.openai.models.serving import OpenAIServingModels
         from vllm.entrypoints.serve.utils.api_utils import process_lora_modules
-        from vllm.entrypoints.openai.models.protocol import LoRAModulePath
 
         s = cfg.serving
         lora_modules = process_lora_modules(
-            [LoRAModulePath(name=m.name, path=_abs(m.path)) for m in s.lora_modules] or None, {})
+            [LoRAModulePath(name=m.name, path=_abs(m.path)) for m in s.lora_modules], {})
         self.models = OpenAIServingModels(engine_client=engine_client, base_model_paths=_base_model_paths(cfg),
                                           lora_modules=lora_modules)
         kwargs = _renderer_kwargs(cfg)
         online = _online_renderer(engine_client.model_config, engine_client.renderer, cfg)
-        common = dict(request_logger=None, return_tokens_as_token_ids=s.return_tokens_as_token_ids,
-                      enable_prompt_tokens_details=s.enable_prompt_tokens_details,
-                      enable_force_include_usage=s.enable_force_include_usage)
+        common: dict[str, Any] = dict(
+            request_logger=None, return_tokens_as_token_ids=s.return_tokens_as_token_ids,
+            enable_prompt_tokens_details=s.enable_prompt_tokens_details,
+            enable_force_include_usage=s.enable_force_include_usage)
         self.chat = OpenAIServingChat(
             engine_client, self.models, s.response_role, online_renderer=online,
             chat_template=kwargs["chat_template"],

@@ -623,15 +623,16 @@ class OpenAIIngress:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         keepalive = self.args.lifecycle.stream_keepalive_s or None
-        pending = asyncio.ensure_future(answer.__anext__())
+        first = asyncio.ensure_future(answer.__anext__())
         try:
-            done, _ = await asyncio.wait({pending}, timeout=keepalive)
+            done, _ = await asyncio.wait({first}, timeout=keepalive)
         except BaseException:
-            _drop(pending)
+            _drop(first)
             raise
         held = None
+        pending: asyncio.Future | None = first  # still awaited: _sse takes it over
         if done:
-            item = pending.result()  # an error here is the request's: raised before any byte is sent
+            item = first.result()  # an error here is the request's: raised before any byte is sent
             pending = None
             if isinstance(item, ErrorResponse):
                 return False, item

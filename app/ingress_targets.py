@@ -21,6 +21,7 @@ import threading
 import time
 
 import ray
+from ray.actor import ActorHandle
 
 logger = logging.getLogger("prefix_serve.ingress_targets")
 
@@ -50,12 +51,13 @@ class TargetBook:
         return {k: hostport for k, (hostport, _) in sorted(self._targets.items())}
 
 
-def book(app_name: str):
+def book(app_name: str) -> ActorHandle:
     """The application's ``TargetBook`` (created if missing): an actor handle.
 
     A book lives while its creator holds a handle to it (Ray ends an actor that no
     handle refers to), so callers keep the handle."""
-    return TargetBook.options(name=BOOK_PREFIX + app_name, namespace=BOOK_NAMESPACE, get_if_exists=True).remote()
+    # @ray.remote made TargetBook an ActorClass; mypy keeps a decorated class's own type.
+    return TargetBook.options(name=BOOK_PREFIX + app_name, namespace=BOOK_NAMESPACE, get_if_exists=True).remote()  # type: ignore[attr-defined]
 
 
 class Announcer:
@@ -69,7 +71,7 @@ class Announcer:
         self.app_name = app_name
         self.replica_id = replica_id
         self.hostport = hostport
-        self._book = None  # held: the replica that created the book keeps it alive
+        self._book: ActorHandle | None = None  # held: the replica that created the book keeps it alive
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ingress-target-announcer", daemon=True)
         self._thread.start()
@@ -102,8 +104,9 @@ class Announcer:
         self._stopped.set()
         await asyncio.to_thread(self._thread.join, 11.0)
         try:
-            existing = self._book or await asyncio.to_thread(
-                ray.get_actor, BOOK_PREFIX + self.app_name, BOOK_NAMESPACE)
+            existing = self._book
+            if existing is None:
+                existing = await asyncio.to_thread(ray.get_actor, BOOK_PREFIX + self.app_name, BOOK_NAMESPACE)
             await asyncio.wait_for(existing.remove.remote(self.replica_id), 5.0)
         except Exception:  # noqa: BLE001 - no book, or at shutdown: the entry expires on its own
             pass

@@ -23,7 +23,7 @@ this module keeps no globals beyond imports.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
     PrefixCacheAffinityRouter,
@@ -44,7 +44,8 @@ def token_text(request: Any) -> str | None:
 class RayPrefixCacheAffinityRouter(PrefixCacheAffinityRouter):
     """Ray's ``PrefixCacheAffinityRouter`` fed a text rendering of our token-id requests."""
 
-    def initialize_state(self, **kwargs: Any) -> None:
+    # Serve passes request_router_kwargs by keyword; every one goes on to Ray's initialize_state.
+    def initialize_state(self, **kwargs: Any) -> None:  # type: ignore[override]
         if kwargs.get("tree_actor") is None:
             kwargs["tree_actor"] = self._create_tree_actor()
         super().initialize_state(**kwargs)
@@ -58,7 +59,8 @@ class RayPrefixCacheAffinityRouter(PrefixCacheAffinityRouter):
         parts = [SERVE_NAMESPACE]
         if self._deployment_id is not None:
             parts += [self._deployment_id.app_name, self._deployment_id.name]
-        actor = PrefixTreeActor.options(
+        # @ray.remote made PrefixTreeActor an ActorClass; mypy keeps a decorated class's own type.
+        actor = PrefixTreeActor.options(  # type: ignore[attr-defined]
             name="LlmPrefixTreeActor", namespace="::".join(p for p in parts if p),
             get_if_exists=True, lifetime="detached", num_cpus=0,
         ).remote()
@@ -73,15 +75,19 @@ class RayPrefixCacheAffinityRouter(PrefixCacheAffinityRouter):
                 return text
         return super()._extract_text_from_request(pending_request)
 
-    async def choose_replicas(
+    # Ranks of replicas, as every RequestRouter; Ray's PrefixCacheAffinityRouter annotates a flat list.
+    async def choose_replicas(  # type: ignore[override]
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 
         try:
-            return await super().choose_replicas(candidate_replicas, pending_request)
+            ranks = await super().choose_replicas(candidate_replicas, pending_request)
+            return cast("list[list[RunningReplica]]", ranks)
         except Exception:  # a request it cannot read: route it like Serve's default, never hang it
-            return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
+            # Serve's default policy borrowed as a function: it reads only RequestRouter state.
+            return await PowerOfTwoChoicesRequestRouter.choose_replicas(
+                self, candidate_replicas, pending_request)  # type: ignore[arg-type]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         try:

@@ -10,7 +10,7 @@ even count is the mean of the two middle values; the p100 is the maximum.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import TypeVar, overload
 
 import numpy as np
 
@@ -19,7 +19,11 @@ __all__ = ["percentile"]
 _D = TypeVar("_D", float, None)
 
 
-def percentile(values: Sequence[float] | np.ndarray, q: float, default: _D = float("nan")) -> float | _D:
+@overload
+def percentile(values: Sequence[float] | np.ndarray, q: float) -> float: ...
+@overload
+def percentile(values: Sequence[float] | np.ndarray, q: float, default: _D) -> float | _D: ...
+def percentile(values: Sequence[float] | np.ndarray, q: float, default: float | None = float("nan")) -> float | None:
     """The ``q``-th percentile of ``values``, linearly interpolated (see the module doc).
 
     Args:
