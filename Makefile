@@ -28,7 +28,7 @@ build-deps:
 $(STAMP): pyproject.toml setup.py routing/_blocktable.c routing/_chain.c bench/requirements-peers.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip wheel
-	$(PY) -m pip install --quiet $(PIP_INDEX) -e ".[$(EXTRA),test,lint]"
+	$(PY) -m pip install --quiet $(PIP_INDEX) -e ".[$(EXTRA),bench,test,lint]"
 	$(PY) -m pip install --quiet --no-deps -r bench/requirements-peers.txt
 ifeq ($(EXTRA),cpu)
 	@# PyPI's torchvision/torchaudio/torchcodec do not load beside torch+cpu and break
