@@ -736,7 +736,8 @@ class OpenAIIngress:
             _raise(result)
         return result
 
-    async def _chunks(self, kind: str, body: Any, trace_headers: dict[str, str] | None, chunk_cls) -> AsyncIterator[Any]:
+    async def _chunks(self, kind: str, body: Any, trace_headers: dict[str, str] | None,
+                      chunk_cls) -> AsyncIterator[Any]:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         async for item in self._answer(kind, body, trace_headers, stream=True):

@@ -13,9 +13,14 @@ import weakref
 from prometheus_client import Counter, Gauge, Histogram
 
 DECISIONS = Counter("prefix_serve_router_decisions", "Routing decisions by reason", ["reason"])
-FALLBACKS = Counter("prefix_serve_router_fallbacks", "Routing calls that fell back to load-only order, and router bookkeeping errors, by cause", ["cause"])
+FALLBACKS = Counter(
+    "prefix_serve_router_fallbacks",
+    "Routing calls that fell back to load-only order, and router bookkeeping errors, by cause", ["cause"],
+)
 PROMPT_TOKENS = Counter("prefix_serve_router_prompt_tokens", "Prompt tokens of routed requests")
-PREDICTED_CACHED = Counter("prefix_serve_router_predicted_cached_tokens", "Prompt tokens predicted to hit the chosen replica's prefix cache")
+PREDICTED_CACHED = Counter(
+    "prefix_serve_router_predicted_cached_tokens", "Prompt tokens predicted to hit the chosen replica's prefix cache"
+)
 ROUTING_SECONDS = Histogram(
     "prefix_serve_router_decision_seconds", "Time to key, look up and score one request",
     buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2),
@@ -42,12 +47,20 @@ RECENT_DECISIONS_MAX = 4096
 # ---------------------------------------------------------------- ingress (per process)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 REQUESTS = Counter("prefix_serve_requests", "HTTP requests by route and status", ["route", "status"])
-TTFT_SECONDS = Histogram("prefix_serve_time_to_first_token_seconds", "Time from request arrival to the first output token", buckets=_LATENCY_BUCKETS)
+TTFT_SECONDS = Histogram(
+    "prefix_serve_time_to_first_token_seconds", "Time from request arrival to the first output token",
+    buckets=_LATENCY_BUCKETS,
+)
 ITL_SECONDS = Histogram(
     "prefix_serve_inter_token_latency_seconds", "Time between successive streamed outputs",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
 )
-E2E_SECONDS = Histogram("prefix_serve_e2e_request_latency_seconds", "Time from request arrival to the last output token", buckets=_LATENCY_BUCKETS)
+E2E_SECONDS = Histogram(
+    "prefix_serve_e2e_request_latency_seconds", "Time from request arrival to the last output token",
+    buckets=_LATENCY_BUCKETS,
+)
 INGRESS_PROMPT_TOKENS = Counter("prefix_serve_prompt_tokens", "Prompt tokens of completed requests")
-INGRESS_CACHED_TOKENS = Counter("prefix_serve_cached_tokens", "Prompt tokens the engines served from their prefix cache")
+INGRESS_CACHED_TOKENS = Counter(
+    "prefix_serve_cached_tokens", "Prompt tokens the engines served from their prefix cache"
+)
 INGRESS_OUTPUT_TOKENS = Counter("prefix_serve_output_tokens", "Output tokens of completed requests")

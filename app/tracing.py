@@ -55,10 +55,12 @@ def resolve(cfg: TracingConfig | None) -> dict[str, Any]:
     ratio_env = os.environ.get("OTEL_TRACES_SAMPLER_ARG")
     return {
         "exporter": exporter,
-        "endpoint": cfg.endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        "endpoint": (cfg.endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                     or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")),
         "protocol": (cfg.protocol or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").lower(),
         "service_name": cfg.service_name or os.environ.get("OTEL_SERVICE_NAME") or "prefix-serve",
-        "sampling_ratio": cfg.sampling_ratio if cfg.sampling_ratio is not None else float(ratio_env) if ratio_env else 1.0,
+        "sampling_ratio": (cfg.sampling_ratio if cfg.sampling_ratio is not None
+                           else float(ratio_env) if ratio_env else 1.0),
         "file_path": cfg.file_path,
     }
 

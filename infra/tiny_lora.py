@@ -48,7 +48,8 @@ def build(out: Path = DEFAULT_OUT, base: Path = Path(BASE_MODEL), force: bool = 
         for target in TARGETS:
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(RANK, hidden, generator=gen) * 0.5).to(torch.bfloat16)
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_features[target], RANK, generator=gen) * 0.5).to(torch.bfloat16)
+            lora_b = torch.randn(out_features[target], RANK, generator=gen) * 0.5
+            tensors[f"{prefix}.lora_B.weight"] = lora_b.to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
     config = {

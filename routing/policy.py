@@ -1,4 +1,5 @@
-"""Routing policy: choose the replica with the lowest score (predicted TTFT + weighted uncached work), under bounded load.
+"""Routing policy: choose the replica with the lowest score (predicted TTFT + weighted uncached work),
+under bounded load.
 
 A pure function of index answers and load numbers (no Ray, no I/O, no clock),
 so the request router, the simulator and the tests run the same code.
@@ -315,7 +316,7 @@ def choose_replica(
         assert busy is not None  # candidates is not empty (max(cached) above)
         weight *= 1.0 + config.busy_cluster_weight * busy / prompt
     extra_per_uncached = (weight - 1.0) * per_token
-    scores = [cost + (prompt - c) * extra_per_uncached for cost, c in zip(costs, cached)]
+    scores = [cost + (prompt - c) * extra_per_uncached for cost, c in zip(costs, cached, strict=True)]
     per_evicted = config.eviction_weight * per_token * bs
     if per_evicted and fits_somewhere:  # it fits somewhere without evicting: charge the others
         for i, v in enumerate(candidates):
@@ -356,6 +357,6 @@ def choose_replica(
         matched_tokens=chosen_cached,
         best_alternative_matched_tokens=best_alternative,
         predicted_ttft_s=costs[chosen],
-        costs=dict(zip(ids, costs)),
-        scores=dict(zip(ids, scores)),
+        costs=dict(zip(ids, costs, strict=True)),
+        scores=dict(zip(ids, scores, strict=True)),
     )

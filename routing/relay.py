@@ -164,7 +164,7 @@ class KeyRelay:
         new_parent = None if parent is None else seed  # the key before the first new one
         prev = new_parent
         copies, refs = self.copies, self.refs
-        for eh, key in zip(hashes, keys):
+        for eh, key in zip(hashes, keys, strict=False):
             if eh in key_of:  # another physical copy of a block held: it becomes most recent
                 self.stats.duplicate_stores += 1
                 copies[eh] = copies.get(eh, 1) + 1

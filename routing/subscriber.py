@@ -41,8 +41,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import zmq
 

@@ -177,5 +177,5 @@ def test_common_prefix_of_chained_keys_matches_a_plain_scan():
         head = [rng.randrange(1000) for _ in range(rng.randrange(0, 10) * BS)]
         a = block_keys(head + [rng.randrange(1000) for _ in range(rng.randrange(0, 6) * BS)], BS)
         b = block_keys(head + [rng.randrange(1000) for _ in range(rng.randrange(0, 6) * BS)], BS)
-        plain = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        plain = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         assert _common_prefix(a, b) == plain

@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+
 from tests.conftest import deploy, requests_by_status, start_app, stop_all, wait_ready
 
 pytestmark = pytest.mark.engine
@@ -97,7 +98,7 @@ def test_large_bodies_do_not_stall_other_requests(app):
     stop.set()
     sender.join()
     assert len(answers) >= 3, len(answers)
-    for r, (_, _, param) in zip(answers, bodies * len(answers)):
+    for r, (_, _, param) in zip(answers, bodies * len(answers), strict=False):
         assert r.status_code == 400, r.text  # over the context, or over the item limit
         if param is not None:
             assert r.json()["error"]["param"] == param, r.text
@@ -126,7 +127,8 @@ def test_a_queued_stream_gets_headers_and_keepalives_until_its_first_token(app):
     comments = arrivals[:first_data]
     assert headers_after < KEEPALIVE_S + 0.75, headers_after
     assert len(comments) >= 2 and all(line == ": keep-alive" for _, line in comments), arrivals[:5]
-    gaps = [b - a for (a, _), (b, _) in zip([(headers_after, "")] + comments, comments + [arrivals[first_data]])]
+    gaps = [b - a for (a, _), (b, _) in zip([(headers_after, "")] + comments, comments + [arrivals[first_data]],
+                                             strict=True)]
     assert max(gaps) < KEEPALIVE_S + 0.75, gaps
     assert arrivals[-1][1] == "data: [DONE]"
     for t in busy:

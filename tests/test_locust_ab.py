@@ -56,7 +56,6 @@ def test_each_router_is_deployed_with_its_class_and_the_same_engines():
 @pytest.mark.parametrize("router", [r for r in ab.ROUTERS if r != "ours"])
 def test_router_class_paths_import(router):
     from ray._common.utils import import_attr
-
     from ray.serve._private.request_router.request_router import RequestRouter
 
     cls = import_attr(ab.ROUTERS[router])

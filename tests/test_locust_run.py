@@ -8,7 +8,6 @@ entries in its CSV.
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.conftest import run_locust, start_app, stop_all

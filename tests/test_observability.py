@@ -124,7 +124,8 @@ def test_streamed_request_span_tree_and_no_context_errors(app, receiver):
     spans: list[dict] = []
     while time.monotonic() < deadline:
         spans = receiver.of_trace(trace_id)
-        if {f"text_completion {app.model}", "prefix_serve.tokenize", "prefix_serve.route"} <= {s["name"] for s in spans}:
+        names = {s["name"] for s in spans}
+        if {f"text_completion {app.model}", "prefix_serve.tokenize", "prefix_serve.route"} <= names:
             break
         time.sleep(0.5)
     by_name = {s["name"]: s for s in spans}
@@ -268,7 +269,8 @@ def test_grafana_dashboard_references_only_exported_series(app, prometheus):
     targets = httpx.get(f"{app.base_url}/metrics/engines", headers=AUTH, timeout=10).json()
     assert targets and targets[0]["targets"]
     exported |= _families(httpx.get(f"http://{targets[0]['targets'][0]}/metrics", timeout=10).text)
-    functions = {"sum", "rate", "max", "min", "by", "histogram_quantile", "le", "replica", "reason", "cause", "kind", "route", "status"}
+    functions = {"sum", "rate", "max", "min", "by", "histogram_quantile", "le", "replica", "reason", "cause", "kind",
+                 "route", "status"}
     for panel in dash["panels"]:
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:

@@ -229,7 +229,8 @@ def test_a_new_prefix_goes_where_it_fits() -> None:
     assert d.scores["full"] - d.scores["room"] == pytest.approx((256 - 200) * 16 * 1e-4)
     # Capacity unknown, or the term off: a tie, broken at random.
     for views, c in (([view("full"), view("room", free_blocks=1000)], cfg),
-                     ([view("full", free_blocks=0), view("room", free_blocks=1000)], replace(cfg, eviction_weight=0.0))):
+                     ([view("full", free_blocks=0), view("room", free_blocks=1000)],
+                      replace(cfg, eviction_weight=0.0))):
         picks = {choose_replica(REQ, views, c, random.Random(seed)).replica_id for seed in range(20)}
         assert picks == {"full", "room"}
     # A long match still beats room: the held prefix is worth more than the eviction.

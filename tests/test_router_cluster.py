@@ -114,7 +114,8 @@ def test_index_follows_engine_events(app):
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         snap = routing(app)
-        if snap["index_stats"]["predictions_confirmed"] > 0 and snap["replica_blocks"].get(served_by, 0) >= 640 // BLOCK:
+        if (snap["index_stats"]["predictions_confirmed"] > 0
+                and snap["replica_blocks"].get(served_by, 0) >= 640 // BLOCK):
             break
         time.sleep(0.2)
     snap = routing(app)

@@ -54,7 +54,8 @@ def pending(request, internal_id: str = "i-1"):
     from ray.serve._private.common import RequestMetadata
     from ray.serve._private.request_router.common import PendingRequest
 
-    return PendingRequest(args=[request], kwargs={}, metadata=RequestMetadata(request_id="r", internal_request_id=internal_id))
+    return PendingRequest(args=[request], kwargs={},
+                          metadata=RequestMetadata(request_id="r", internal_request_id=internal_id))
 
 
 def engine_request(n_tokens: int = 96) -> EngineRequest:

@@ -102,7 +102,7 @@ def test_summary_table_checks_done_when(report):
     rep, _ = report
     rep = json.loads(json.dumps(rep))
     pols = rep["policies"]
-    for name, p in pols.items():  # everyone: p50 1 s (unsaturated), p90 3 s, hit 50 %
+    for p in pols.values():  # everyone: p50 1 s (unsaturated), p90 3 s, hit 50 %
         p["ttft_p50_s"], p["ttft_p90_s"], p["hit_rate"] = 1.0, 3.0, 0.5
     pols["dynamo"]["ttft_p90_s"] = 2.0
     pols["round_robin"]["hit_rate"] = 0.6
@@ -162,13 +162,14 @@ def test_ablation_steps_end_at_the_shipped_defaults():
     plain = s[0][1]
     assert (plain.busy_cluster_weight, plain.eviction_weight) == (0.0, 0.0)
     assert plain.queued_predicted_ttl_s == plain.predicted_ttl_s
-    for (_, before, _), (_, after, _) in zip(s, s[1:]):  # each step turns at most one knob on
+    for (_, before, _), (_, after, _) in zip(s, s[1:], strict=False):  # each step turns at most one knob on
         changed = {k for k in RouterConfig.model_fields if getattr(before, k) != getattr(after, k)}
         assert len(changed) <= 1
 
 
 def test_sweep_writes_a_report_per_point_and_a_figure(tmp_path, capsys):
-    from bench.sim.sweep import main as sweep_main, report_path
+    from bench.sim.sweep import main as sweep_main
+    from bench.sim.sweep import report_path
 
     args = ["--workload", "chat", "--num-requests", "60", "--policies", "round_robin,prefix_affinity",
             "--rates", "1,2", "--presets", "4090-qwen2.5-7b-fp16", "--out", str(tmp_path), "--no-progress"]

@@ -10,8 +10,15 @@ import pytest
 from app.config import RouterConfig
 from bench.sim.event_path import EventPath
 from bench.sim.latency import PRESETS
-from bench.sim.policies import (POLICIES, LlmDPolicy, PrefixAffinityPolicy, RouterContext, make_policy, policy_names,
-                                policy_seed)
+from bench.sim.policies import (
+    POLICIES,
+    LlmDPolicy,
+    PrefixAffinityPolicy,
+    RouterContext,
+    make_policy,
+    policy_names,
+    policy_seed,
+)
 from bench.sim.replica import EngineConfig, Replica
 from bench.sim.workload import SimRequest
 from routing.affinity import Candidate

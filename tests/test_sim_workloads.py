@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -49,7 +50,7 @@ def test_mooncake_trace_is_read_in_arrival_order_with_shared_blocks(trace):
     assert list(a.keys[:64]) == list(b.keys[:64]) and a.keys[64] != b.keys[64]
     # keys are routing.block_keys over the synthesized tokens (prompt + output)
     toks = wl.tokens(a)
-    assert len(toks) == 1105 and list(a.keys) == block_keys(toks.tolist(), 16)
+    assert len(toks) == 1105 and a.keys == block_keys(toks.tolist(), 16)
 
 
 def test_mooncake_trace_rejects_malformed_lines(tmp_path):
@@ -67,7 +68,7 @@ def test_generators_are_deterministic_for_a_seed(name):
     key = lambda wl: [(r.arrival_s, r.segments, r.output_len, r.cache_salt) for r in wl.requests]  # noqa: E731
     assert key(a) == key(b) and key(a) != key(c)
     assert len(a) == 200 and all(r.rid == i for i, r in enumerate(a.requests))
-    assert all(x.arrival_s <= y.arrival_s for x, y in zip(a.requests, a.requests[1:]))
+    assert all(x.arrival_s <= y.arrival_s for x, y in zip(a.requests, a.requests[1:], strict=False))
     a.prepare(16)
     b.prepare(16)
     assert [list(r.keys) for r in a.requests[:20]] == [list(r.keys) for r in b.requests[:20]]
@@ -137,10 +138,9 @@ def test_bounds_unbounded_reaches_the_reuse_ceiling_and_pooled_does_not_exceed_i
 
 def _brute_force_max_hits(served, capacity):
     """Most hit blocks over every eviction choice (exhaustive; tiny inputs only)."""
-    from functools import lru_cache
     from itertools import combinations
 
-    @lru_cache(maxsize=None)
+    @functools.cache
     def best(i, cache):
         if i == len(served):
             return 0

@@ -20,8 +20,15 @@ import zmq
 
 from routing.block_keys import block_keys
 from routing.index import BlockIndex
-from routing.key_events import (SNAPSHOT_REQUEST, AllKeysCleared, KeysRemoved, KeysStored, encode_key_frames,
-                                encode_snapshot, keys_to_bytes)
+from routing.key_events import (
+    SNAPSHOT_REQUEST,
+    AllKeysCleared,
+    KeysRemoved,
+    KeysStored,
+    encode_key_frames,
+    encode_snapshot,
+    keys_to_bytes,
+)
 from routing.relay_server import RelayServer
 from routing.subscriber import EventSubscriber
 
@@ -429,7 +436,8 @@ def test_garbage_from_a_relay_is_counted_and_the_stream_goes_on(ingest, fake_rel
     index, lock, sub = ingest
     follow(sub, fake_relay)
     fake_relay.pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1 garbage"])
-    fake_relay.pub.send_multipart([b"", (0).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, 1, [["s", None, b"abc"]]])])
+    fake_relay.pub.send_multipart([b"", (0).to_bytes(8, "big"),
+                                   msgspec.msgpack.encode([1.0, 1, [["s", None, b"abc"]]])])
     tokens = chain(34, 2)
     fake_relay.keys, fake_relay.seq = keys_of(tokens), 0
     fake_relay.publish(0, [KeysStored(None, keys_to_bytes(keys_of(tokens)))])

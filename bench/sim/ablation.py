@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                                      ("--plot", args.plot_out), ("--update", args.update), ("--jobs", args.jobs != 1))
                if on]
     if ignored:
-        parser.error(f"{', '.join(ignored)}: not used by the ablation (it runs prefix_affinity only and prints a table)")
+        parser.error(f"{', '.join(ignored)}: not used by the ablation "
+                     "(it runs prefix_affinity only and prints a table)")
     cfg, _ = _cluster(args)
     wl = _load(args, cfg.engine.max_model_len)
     wl.prepare(cfg.engine.block_size)

@@ -76,7 +76,7 @@ def _optimal_hit_tokens(requests, block_size: int, capacity: int) -> int:
                 break
             n += 1
         hits += n * block_size
-        for pos, (k, nxt) in enumerate(zip(keys[:stored], next_use_of_stored[i])):
+        for pos, (k, nxt) in enumerate(zip(keys[:stored], next_use_of_stored[i], strict=False)):
             if cached.get(k) != nxt:
                 cached[k] = nxt
                 push(heap, (-nxt, -pos, k))
@@ -87,7 +87,8 @@ def _optimal_hit_tokens(requests, block_size: int, capacity: int) -> int:
     return hits
 
 
-def cache_hit_rates(workload: Workload, block_size: int, pooled_blocks: int, max_model_len: int | None = None) -> dict[str, float]:
+def cache_hit_rates(workload: Workload, block_size: int, pooled_blocks: int,
+                    max_model_len: int | None = None) -> dict[str, float]:
     """``{"pooled_cache_hit_rate", "pooled_optimal_hit_rate", "unbounded_cache_hit_rate"}`` for ``workload``.
 
     Args:

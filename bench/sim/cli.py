@@ -285,7 +285,8 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{p['throughput_tok_s']:.0f}", f"{p['load_imbalance']:.2f}"))
     b = report["bounds"]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in rows]
     optimal = b.get("pooled_optimal_hit_rate")
     lines.append(f"bounds: pooled cache {b['pooled_cache_hit_rate'] * 100:.1f} %, "
                  + (f"pooled optimal eviction {optimal * 100:.1f} %, " if optimal is not None else "")

@@ -237,7 +237,8 @@ def simulate_policy(
         wall_s=time.perf_counter() - t0,
         extra={
             **policy.summary(),
-            **({"event_batches": path.batches, "events": path.events, "event_bytes": path.payload_bytes} if path else {}),
+            **({"event_batches": path.batches, "events": path.events, "event_bytes": path.payload_bytes}
+               if path else {}),
             "steps": int(sum(r.steps for r in replicas)),
             "evicted_blocks": int(sum(r.pool.evictions for r in replicas)),
         },

@@ -124,7 +124,8 @@ def simulate(
     return out, {"evictions": rep.pool.evictions, "preemptions": rep.preemptions}
 
 
-def run_engine(cases: dict[str, list[tuple[list[int], int]]], model: str, settings: dict | None = None) -> dict[str, list[int]]:
+def run_engine(cases: dict[str, list[tuple[list[int], int]]], model: str,
+               settings: dict | None = None) -> dict[str, list[int]]:
     """Cached tokens per request on a real vLLM engine, one request at a time.
 
     The prefix cache is reset between cases (all blocks are free then, so the

@@ -70,7 +70,8 @@ class EventPath:
         self.events = 0
         self.payload_bytes = 0
 
-    def publish(self, replica_id: str, events: Sequence[KVEvent], now: float) -> tuple[float, tuple[bytes, bytes, bytes]]:
+    def publish(self, replica_id: str, events: Sequence[KVEvent],
+                now: float) -> tuple[float, tuple[bytes, bytes, bytes]]:
         """Encode one step's events; returns ``(delivery time, frames)``."""
         seq = self._next_seq.get(replica_id, 0)
         self._next_seq[replica_id] = seq + 1

@@ -304,7 +304,7 @@ class LatencyModel:
         decode_step_s: float | None = None,
         decode_ref_context: int = 1024,
         step_overhead_s: float | None = None,
-    ) -> "LatencyModel":
+    ) -> LatencyModel:
         """A copy whose efficiencies reproduce measured figures.
 
         Args:
@@ -384,7 +384,8 @@ class Preset:
         """Bytes vLLM gives the KV cache (see the module docstring)."""
         util = self.gpu_memory_utilization if gpu_memory_utilization is None else gpu_memory_utilization
         budget = self.latency.gpu.total_memory * util
-        rest = self.latency.model.weight_bytes + self.activation_peak_bytes + self.non_torch_bytes + self.cuda_graph_bytes
+        rest = (self.latency.model.weight_bytes + self.activation_peak_bytes + self.non_torch_bytes
+                + self.cuda_graph_bytes)
         return max(0, int(budget - rest))
 
     def num_blocks(self, block_size: int | None = None, gpu_memory_utilization: float | None = None) -> int:

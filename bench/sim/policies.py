@@ -97,14 +97,14 @@ def policy_seed(seed: int, name: str) -> int:
 class StatsScraper:
     """Engine load numbers as a router sees them: refreshed at most every ``period_s``."""
 
-    def __init__(self, replicas: Sequence["Replica"], period_s: float) -> None:
+    def __init__(self, replicas: Sequence[Replica], period_s: float) -> None:
         self.replicas = replicas
         self.period_s = period_s
         self.snap: list[dict[str, Any]] = [self._read(r) for r in replicas]
         self.taken_at = [0.0] * len(replicas)
 
     @staticmethod
-    def _read(r: "Replica") -> dict[str, Any]:
+    def _read(r: Replica) -> dict[str, Any]:
         return {"num_running": r.num_running, "num_waiting": r.num_waiting, "kv_cache_usage": r.kv_usage,
                 "num_gpu_blocks": r.cfg.num_blocks}
 
@@ -127,7 +127,7 @@ class RouterContext:
         routing_stats_period_s: refresh period of Serve's routing stats.
     """
 
-    replicas: Sequence["Replica"]
+    replicas: Sequence[Replica]
     block_size: int
     max_ongoing_requests: int
     rng: random.Random
@@ -377,7 +377,7 @@ class DynamoPolicy(_IndexedPolicy):
         req_blocks = -(-req.prompt_len // bs)
         best: list[int] = []
         best_cost = float("inf")
-        for r, rid in zip(candidates, ids):
+        for r, rid in zip(candidates, ids, strict=True):
             new_tokens = max(0, req.prompt_len - overlap.get(rid, 0) * bs)
             prefill_blocks = (self.prefill_tokens[r] + new_tokens) / bs
             decode_blocks = self.active_blocks[r] + req_blocks
@@ -446,7 +446,7 @@ class LlmDPolicy(_IndexedPolicy):
         keys = self._prompt_keys(req)
         ids = tuple(self.ctx.ids[r] for r in candidates)
         held = self._index.match(keys, ids, now)
-        prefix_raw = {r: float(held[rid]) for r, rid in zip(candidates, ids) if held.get(rid, 0) > 0}
+        prefix_raw = {r: float(held[rid]) for r, rid in zip(candidates, ids, strict=True) if held.get(rid, 0) > 0}
         prefix = self._minmax(prefix_raw, candidates, True)
         stats = {r: self.scraper.get(r, now) for r in candidates}
         queue = self._minmax({r: float(stats[r]["num_waiting"]) for r in candidates}, candidates, False)
@@ -500,7 +500,8 @@ class PrefixAffinityPolicy(Policy):
     def choose(self, req, candidates, now):
         bs = self.ctx.block_size
         keys = req.keys[: req.prompt_len // bs]
-        cands = [Candidate(self.ctx.ids[r], self.scraper.get(r, now), self.ctx.max_ongoing_requests) for r in candidates]
+        cands = [Candidate(self.ctx.ids[r], self.scraper.get(r, now), self.ctx.max_ongoing_requests)
+                 for r in candidates]
         self._decision = (keys, self.router.choose(keys, req.prompt_len, bs, cands, now, self.last_event_at))
         return self.ctx.ids.index(self._decision[1].replica_id)
 

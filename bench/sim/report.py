@@ -38,14 +38,17 @@ def markdown_table(report: dict[str, Any]) -> str:
             p90 = f"**{p90}**"
         lines.append(
             f"| {n} | {p['hit_rate'] * 100:.1f} % | {p['ttft_p50_s']:.3f} | {p90} | {p['ttft_p99_s']:.3f} "
-            f"| {_ms(p['itl_p50_s'])} | {_ms(p['itl_p99_s'])} | {p['throughput_tok_s']:.0f} | {p['load_imbalance']:.2f} |"
+            f"| {_ms(p['itl_p50_s'])} | {_ms(p['itl_p99_s'])} | {p['throughput_tok_s']:.0f} "
+            f"| {p['load_imbalance']:.2f} |"
         )
     b = report["bounds"]
     lines.append(
         f"| bound: pooled cache | {b['pooled_cache_hit_rate'] * 100:.1f} % | | | | | | | |"
     )
     if "pooled_optimal_hit_rate" in b:
-        lines.append(f"| bound: pooled cache, optimal eviction | {b['pooled_optimal_hit_rate'] * 100:.1f} % | | | | | | | |")
+        lines.append(
+            f"| bound: pooled cache, optimal eviction | {b['pooled_optimal_hit_rate'] * 100:.1f} % | | | | | | | |"
+        )
     lines.append(
         f"| bound: unbounded cache | {b['unbounded_cache_hit_rate'] * 100:.1f} % | | | | | | | |"
     )
@@ -56,11 +59,12 @@ def markdown_table(report: dict[str, Any]) -> str:
                      f" ({'unsaturated' if acc['unsaturated'] else 'saturated'})")
     if "prefix_affinity" in acc:
         a = acc["prefix_affinity"]
-        notes.append(f"prefix_affinity: done-when {({True: 'met', False: 'not met', None: 'not judged'})[a['met']]} (hit rate "
+        met = {True: "met", False: "not met", None: "not judged"}[a["met"]]
+        optimal = f", {a['hit_over_optimal'] * 100:.0f} % of pooled optimal" if a.get("hit_over_optimal") else ""
+        notes.append(f"prefix_affinity: done-when {met} (hit rate "
                      f"{'ok' if a['hit_ok'] else 'below ' + a['best_hit_policy']}, p90 "
                      f"{'ok' if a['p90_ok'] else 'above ' + a['best_p90_policy']}), hit rate "
-                     f"{_fmt_pct(a['hit_over_pooled'])} of pooled LRU" + (
-                         f", {a['hit_over_optimal'] * 100:.0f} % of pooled optimal" if a.get("hit_over_optimal") else ""))
+                     f"{_fmt_pct(a['hit_over_pooled'])} of pooled LRU" + optimal)
     w = report["workload"]
     head = (f"{w['requests']} requests ({w.get('rejected', 0)} rejected), "
             f"{w['request_rate_per_s']:.2f} req/s, mean prompt {w['prompt_tokens_mean']:.0f} tokens, "

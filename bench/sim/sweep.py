@@ -71,7 +71,7 @@ def plot_sweep(reports: list[dict[str, Any]], path: str | Path, title: str) -> N
             ours = nm == _OURS
             style = {"color": "black" if ours else cmap(i % 10), "linewidth": 2.4 if ours else 1.2,
                      "marker": "o", "markersize": 4, "label": nm}
-            pts = [(x, r["policies"][nm]) for x, r in zip(rates, reps) if nm in r["policies"]]
+            pts = [(x, r["policies"][nm]) for x, r in zip(rates, reps, strict=True) if nm in r["policies"]]
             ax_hit.plot([x for x, _ in pts], [p["hit_rate"] * 100 for _, p in pts], **style)
             ax_p90.plot([x for x, _ in pts], [p["ttft_p90_s"] for _, p in pts], **style)
         for key, ls, label in (("pooled_cache_hit_rate", "--", "bound: pooled LRU"),

@@ -150,7 +150,7 @@ class Workload:
 
     # ------------------------------------------------------------------ views
 
-    def scaled(self, rate_scale: float) -> "Workload":
+    def scaled(self, rate_scale: float) -> Workload:
         """The same requests arriving ``rate_scale`` times faster (keys are shared)."""
         if rate_scale <= 0:
             raise ValueError(f"rate_scale must be positive, got {rate_scale}")
@@ -161,11 +161,12 @@ class Workload:
             )
             for r in self.requests
         ]
-        out = Workload(self.name, reqs, self.namespace, dict(self.params, rate_scale=rate_scale), self.rejected, self.vocab)
+        out = Workload(self.name, reqs, self.namespace, dict(self.params, rate_scale=rate_scale), self.rejected,
+                       self.vocab)
         out._prepared_for = self._prepared_for
         return out
 
-    def head(self, n: int) -> "Workload":
+    def head(self, n: int) -> Workload:
         """The first ``n`` requests."""
         out = Workload(self.name, self.requests[:n], self.namespace, dict(self.params), self.rejected, self.vocab)
         out._prepared_for = self._prepared_for
