@@ -40,6 +40,7 @@ import random
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -51,6 +52,7 @@ from app.protocol import EngineRequest
 from app.router_ranks import chosen_first, no_candidates
 from routing.affinity import Candidate, with_adapter
 from routing.block_keys import block_keys
+from routing.policy import Decision
 from routing.subscriber import EventSubscriber
 
 logger = logging.getLogger("prefix_serve.router")
@@ -87,7 +89,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.core = self.cfg.affinity_router(self.rng)
         self.index = self.core.index
         self.subscriber = EventSubscriber(self.index, self.lock, block_size=self.cfg.block_size)
-        self._pending: dict[str, tuple[list[int], int, int, Any]] = {}  # internal id -> (keys, prompt_len, block_size, decision)
+        # internal id -> (keys, prompt_len, block_size, decision)
+        self._pending: dict[str, tuple[Sequence[int], int, int, Decision]] = {}
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()  # EngineRequest.request_id -> decision
         self._chosen_at: dict[str, int] = {}  # internal id -> routing start (ns), for the routing span
         self._awaiting_first: OrderedDict[str, tuple[str, str]] = OrderedDict()  # request id -> (replica, internal id)
@@ -143,7 +146,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         try:
             if self.init_error is not None:
                 return self._fallback(candidate_replicas, pending_request, "router_config")
-            if pending_request is not None and pending_request.args and isinstance(pending_request.args[0], EngineRequest):
+            if (pending_request is not None and pending_request.args
+                    and isinstance(pending_request.args[0], EngineRequest)):
                 await self._wait_for_snapshots(candidate_replicas)
             return self._choose(candidate_replicas, pending_request)
         except Exception as e:  # never leave a request hanging on a router bug
@@ -172,7 +176,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.rng.shuffle(order)
         order.sort(key=lambda r: len(self.core.inflight.get(r.replica_id.unique_id, ())))
         request = pending.args[0] if pending is not None and pending.args else None
-        if isinstance(request, EngineRequest):
+        if pending is not None and isinstance(request, EngineRequest):
             if self.init_error is not None:
                 request.router_error = self.init_error
             self._fallbacks[pending.metadata.internal_request_id] = f"fallback_{cause}"
@@ -183,7 +187,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         t0 = time.perf_counter()
         start_ns = time.time_ns()
         request = pending.args[0] if pending is not None and pending.args else None
-        if not isinstance(request, EngineRequest):
+        if pending is None or not isinstance(request, EngineRequest):
             # Not a generate call (health checks, admin methods): least in-flight first.
             return [sorted(candidates, key=lambda r: len(self.core.inflight.get(r.replica_id.unique_id, ())))]
         block_size = self.cfg.block_size or self._block_size(candidates) or request.block_size or None
@@ -387,7 +391,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         """State for operators and tests: per-replica blocks, lag, counters."""
         with self.lock:
             per_replica = {uid: self.index.replica_blocks(uid) for uid in self.index.replicas()}
-            snap = {
+            snap: dict[str, Any] = {
                 "indexed_blocks": self.index.num_keys,
                 "index_bytes": self.index.memory_bytes(),
                 "replica_blocks": per_replica,
