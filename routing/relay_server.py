@@ -47,6 +47,7 @@ import zmq
 from routing.events import EventDecodeError, decode_frames, is_replay_end
 from routing.key_events import SNAPSHOT_REQUEST, AllKeysCleared, encode_key_frames, encode_snapshot
 from routing.relay import KeyRelay
+from routing.supervise import supervise
 
 __all__ = ["RelayServer"]
 
@@ -117,19 +118,13 @@ class RelayServer:
     # ------------------------------------------------------------------ loop
 
     def _supervise(self) -> None:
-        backoff = 0.05
-        while not self._stop.is_set():
-            try:
-                self._loop()
-                return
-            except Exception:  # noqa: BLE001 - keep relaying whatever happened
-                self.stats["loop_restarts"] += 1
-                logger.exception("KV-event relay loop failed; restarting it (state kept)")
-                if self._sub is not None:
-                    self._sub.close(linger=0)
-                    self._sub = None
-                self._stop.wait(backoff)
-                backoff = min(2.0, backoff * 2)
+        supervise(self._loop, self._stop, self.stats, logger, "KV-event relay loop failed; restarting it (state kept)",
+                  self._drop_sub)
+
+    def _drop_sub(self) -> None:
+        if self._sub is not None:
+            self._sub.close(linger=0)
+            self._sub = None
 
     def _loop(self) -> None:
         sub = self._sub = self._socket(zmq.SUB)

@@ -48,6 +48,7 @@ import zmq
 
 from routing.index import MAX_REPLICAS, BlockIndex
 from routing.key_events import SNAPSHOT_REQUEST, KeyDecodeError, KeyEventBatch, decode_key_frames, decode_snapshot
+from routing.supervise import supervise
 
 __all__ = ["EventSubscriber"]
 
@@ -193,17 +194,12 @@ class EventSubscriber:
     # ------------------------------------------------------------------ the thread
 
     def _supervise(self) -> None:
-        backoff = 0.05
-        while not self._stop.is_set():
-            try:
-                self._loop()
-            except Exception:  # noqa: BLE001 - the event path must outlive any one failure
-                self.stats["loop_restarts"] += 1
-                logger.exception("KV-event subscriber loop failed; restarting it and re-syncing every replica")
-                self._stop.wait(backoff)
-                backoff = min(2.0, backoff * 2)
-            finally:
-                self._close_sources()
+        try:
+            supervise(self._loop, self._stop, self.stats, logger,
+                      "KV-event subscriber loop failed; restarting it and re-syncing every replica",
+                      self._close_sources)
+        finally:
+            self._close_sources()
 
     def _close_sources(self) -> None:
         for src in self._sources.values():
