@@ -162,7 +162,8 @@ async def soak(url: str, duration_s: float, concurrency: int, seed: int, model: 
     print(f"errors              {len(out['errors'])}")
     for e in out["errors"][:5]:
         print(f"   {e}")
-    print(f"TTFT                p50 {percentile(out['ttft'], 50) * 1e3:.0f} ms   p99 {percentile(out['ttft'], 99) * 1e3:.0f} ms")
+    ttft = out["ttft"]
+    print(f"TTFT                p50 {percentile(ttft, 50) * 1e3:.0f} ms   p99 {percentile(ttft, 99) * 1e3:.0f} ms")
     print(f"index               max {max_blocks} blocks (cap {cap_blocks}), {index_bytes / 1e6:.2f} MB now"
           f"  -> {'within cap' if within_cap else 'OVER CAP'}")
     print(f"routing overhead    first minute p99 {first_minute.get('p99')} us ({first_minute.get('count')} decisions), "

@@ -38,8 +38,7 @@ from locust.exception import StopUser
 try:
     from locustfiles._common import LLMUser, config_from_options, option, register_options, workload_module
 except ImportError:  # this folder copied alone
-    from _common import (  # type: ignore[no-redef]
-        LLMUser, config_from_options, option, register_options, workload_module)
+    from _common import LLMUser, config_from_options, option, register_options, workload_module  # type: ignore[no-redef]
 
 W = workload_module()
 register_options(W.REPLAY_OPTIONS)

@@ -21,8 +21,7 @@ from locust import task
 try:
     from locustfiles._common import LLMUser, register_options, workload_from_options, workload_module
 except ImportError:  # this folder copied alone
-    from _common import (  # type: ignore[no-redef]
-        LLMUser, register_options, workload_from_options, workload_module)
+    from _common import LLMUser, register_options, workload_from_options, workload_module  # type: ignore[no-redef]
 
 W = workload_module()
 register_options(W.MultiTurn.options)

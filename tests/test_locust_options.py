@@ -18,7 +18,8 @@ from gevent import monkey; monkey.patch_all()
 import dataclasses, json, os, sys
 os.environ["RAG_ZIPF"] = "0.25"
 from locust import argument_parser
-import locustfiles.mooncake, locustfiles.multi_tenant, locustfiles.multi_turn, locustfiles.rag, locustfiles.shared_prefix
+import locustfiles.mooncake, locustfiles.multi_tenant, locustfiles.multi_turn
+import locustfiles.rag, locustfiles.shared_prefix
 from locustfiles import _common as C, workloads as W
 
 class Env:
