@@ -65,7 +65,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from ray.serve.config import RequestRouterConfig
@@ -77,7 +77,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 ROUTERS: dict[str, str | None] = {
     "ours": None,  # the config's own request_router_config (app.router:PrefixAffinityRouter)
-    "pow2": RequestRouterConfig().request_router_class,  # Serve's default: power of two choices
+    # Serve's default, power of two choices: a dotted path (the field also takes a class).
+    "pow2": cast(str, RequestRouterConfig().request_router_class),
     "round_robin": "bench.ab_routers:RoundRobinRouter",
     "ray_prefix": "bench.ab_ray_router:RayPrefixCacheAffinityRouter",
 }
@@ -335,15 +336,16 @@ def cpu_snapshot(app_name: str) -> dict[str, float]:
         if p.pid in roles:
             out[roles[p.pid]] += c
     t = psutil.cpu_times()
-    out["machine"] = t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
+    out["machine"] = (t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+                      + getattr(t, "steal", 0.0))
     out["loadavg_1m"] = os.getloadavg()[0]
     return out
 
 
-def cpu_delta(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
-    d = {f"{k}_cpu_s": round(after[k] - before[k], 1) for k in ("ingress", "engines", "cluster", "machine")}
-    d["other_cpu_s"] = round(d["machine_cpu_s"] - d["cluster_cpu_s"], 1)
-    d["cpus"] = os.cpu_count()
+def cpu_delta(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float | None]:
+    cpu = {f"{k}_cpu_s": round(after[k] - before[k], 1) for k in ("ingress", "engines", "cluster", "machine")}
+    d: dict[str, float | None] = {**cpu, "other_cpu_s": round(cpu["machine_cpu_s"] - cpu["cluster_cpu_s"], 1)}
+    d["cpus"] = os.cpu_count()  # None where the OS cannot tell
     d["seconds"] = round(seconds, 1)
     d["loadavg_1m_before"], d["loadavg_1m_after"] = round(before["loadavg_1m"], 2), round(after["loadavg_1m"], 2)
     return d
@@ -533,7 +535,7 @@ def policy_summary(router: str, out_dir: Path, run_time_s: int, before: dict, af
         "router_class": ROUTERS[router] or OURS_CLASS,
         "requests": requests,
         "failures": failures,
-        "hit_rate": _r(d_cached / d_prompt) if d_prompt else None,
+        "hit_rate": _r(d_cached / d_prompt) if d_cached is not None and d_prompt else None,
         "ttft_p50_s": _r(percentile(ttft, 50, None)),
         "ttft_p90_s": _r(percentile(ttft, 90, None)),
         "ttft_p99_s": _r(percentile(ttft, 99, None)),
@@ -545,7 +547,7 @@ def policy_summary(router: str, out_dir: Path, run_time_s: int, before: dict, af
         "prompt_tokens": d_prompt,
         "cached_tokens": d_cached,
         "hit_rate_client": _r(c_cached / c_prompt) if c_prompt else None,
-        "hit_rate_engines": _r(d_hits / d_queries) if d_queries else None,
+        "hit_rate_engines": _r(d_hits / d_queries) if d_hits is not None and d_queries else None,
         "engine_targets": after.get("engine_targets") or [],
     }
 
@@ -584,7 +586,7 @@ def plot(summary: dict[str, Any], out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     values = [100 * summary["policies"][n]["hit_rate"] for n in names]
     bars = ax.bar(names, values, color=["tab:green" if n == "ours" else "tab:gray" for n in names])
-    for b, v in zip(bars, values):
+    for b, v in zip(bars, values, strict=True):
         ax.text(b.get_x() + b.get_width() / 2, v + 1, f"{v:.1f} %", ha="center", fontsize=9)
     ax.set_ylim(0, 105)
     ax.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
@@ -619,7 +621,8 @@ def checks(policies: dict[str, Any]) -> dict[str, bool | None]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated, from {', '.join(ROUTERS)}")
     p.add_argument("--locustfile", default="locustfiles/shared_prefix.py")
     p.add_argument("--users", "-u", type=int, default=8)
@@ -768,7 +771,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 log(f"[{router}] deploying {summary['config']} as {app_name}")
                 t0 = time.monotonic()
-                deploy(app_entry_for(base_entry, app_name, router), args.port, serve_cfg.get("proxy_location", "HeadOnly"))
+                deploy(app_entry_for(base_entry, app_name, router), args.port,
+                       serve_cfg.get("proxy_location", "HeadOnly"))
                 remaining = args.budget_s - (time.monotonic() - t_start) - args.run_time - 25
                 wait_ready(app_name, base_url, max(30.0, min(args.deploy_timeout_s, remaining)))
                 run["startup_s"] = round(time.monotonic() - t0, 1)
@@ -819,8 +823,8 @@ def main(argv: list[str] | None = None) -> int:
             summary["plots"] = plot(summary, out) if summary["policies"] else []
         except Exception as e:  # noqa: BLE001
             summary["plots_error"] = str(e)
-        with open(out / "summary.json", "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
+        with open(out / "summary.json", "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=2)
         log(f"wrote {out / 'summary.json'} in {summary['elapsed_s']} s")
         print(format_table(summary), flush=True)
     if exit_code == 0 and not summary["checks"]["zero_failures"]:
