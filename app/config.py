@@ -49,7 +49,7 @@ class EngineConfig(_Strict):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _fits(self) -> "EngineConfig":
+    def _fits(self) -> EngineConfig:
         if self.num_gpu_blocks_override is not None:
             capacity = self.num_gpu_blocks_override * self.block_size
             if capacity < self.max_model_len:
@@ -87,16 +87,47 @@ class RouterConfig(_Strict):
         description="tokens per KV block; the builder fills it from engine.block_size so a router "
                     "scores requests from its first one",
     )
-    max_indexed_blocks: int = Field(defaults.MAX_INDEXED_BLOCKS, ge=1, description="cap on (replica, block) entries of the index; keys past it are refused and counted (set it above the cluster's KV capacity in blocks)")
-    predicted_ttl_s: float = Field(defaults.PREDICTED_TTL_S, gt=0.0, description="blind-window lifetime of predicted blocks")
-    load_factor: float = Field(defaults.LOAD_FACTOR, ge=1.0, description="bounded load: spill above this multiple of mean load")
-    load_floor: int = Field(_POLICY.load_floor, ge=0, description="no replica is over the load bound below this many requests in flight")
-    uncached_weight: float = Field(_POLICY.uncached_weight, ge=1.0, description="weight of uncached prompt tokens against queued ones in the score")
-    no_match_choices: int = Field(_POLICY.no_match_choices, ge=0, description="replicas sampled when none holds the prefix: 2 = power of two choices, 0 = all")
-    busy_cluster_weight: float = Field(_POLICY.busy_cluster_weight, ge=0.0, description="growth of the uncached weight per prompt's worth of prefill queued on the least busy replica")
-    eviction_weight: float = Field(_POLICY.eviction_weight, ge=0.0, description="weight of a cached token a request would evict past the replica's free blocks")
-    queued_predicted_ttl_s: float = Field(defaults.QUEUED_PREDICTED_TTL_S, gt=0.0, description="lifetime of a request's predicted blocks while it waits for its first token")
-    stale_events_s: float = Field(defaults.STALE_EVENTS_S, gt=0.0, description="a replica silent this long with work in flight is routed by load only")
+    max_indexed_blocks: int = Field(
+        defaults.MAX_INDEXED_BLOCKS, ge=1,
+        description="cap on (replica, block) entries of the index; keys past it are refused and counted (set it above "
+                    "the cluster's KV capacity in blocks)",
+    )
+    predicted_ttl_s: float = Field(
+        defaults.PREDICTED_TTL_S, gt=0.0,
+        description="blind-window lifetime of predicted blocks",
+    )
+    load_factor: float = Field(
+        defaults.LOAD_FACTOR, ge=1.0,
+        description="bounded load: spill above this multiple of mean load",
+    )
+    load_floor: int = Field(
+        _POLICY.load_floor, ge=0,
+        description="no replica is over the load bound below this many requests in flight",
+    )
+    uncached_weight: float = Field(
+        _POLICY.uncached_weight, ge=1.0,
+        description="weight of uncached prompt tokens against queued ones in the score",
+    )
+    no_match_choices: int = Field(
+        _POLICY.no_match_choices, ge=0,
+        description="replicas sampled when none holds the prefix: 2 = power of two choices, 0 = all",
+    )
+    busy_cluster_weight: float = Field(
+        _POLICY.busy_cluster_weight, ge=0.0,
+        description="growth of the uncached weight per prompt's worth of prefill queued on the least busy replica",
+    )
+    eviction_weight: float = Field(
+        _POLICY.eviction_weight, ge=0.0,
+        description="weight of a cached token a request would evict past the replica's free blocks",
+    )
+    queued_predicted_ttl_s: float = Field(
+        defaults.QUEUED_PREDICTED_TTL_S, gt=0.0,
+        description="lifetime of a request's predicted blocks while it waits for its first token",
+    )
+    stale_events_s: float = Field(
+        defaults.STALE_EVENTS_S, gt=0.0,
+        description="a replica silent this long with work in flight is routed by load only",
+    )
 
     def affinity_router(self, rng: random.Random | None = None, index: BlockIndex | None = None) -> AffinityRouter:
         """A fresh ``routing.affinity.AffinityRouter`` with these knobs.
@@ -196,7 +227,7 @@ class ServingConfig(_Strict):
     max_loras: int = Field(1, ge=1, description="--max-loras: adapters batched together per step")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "ServingConfig":
+    def _consistent(self) -> ServingConfig:
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser")
         names = [m.name for m in self.lora_modules]
@@ -256,7 +287,7 @@ class AppArgs(_Strict):
         return router
 
     @model_validator(mode="after")
-    def _adapter_names(self) -> "AppArgs":
+    def _adapter_names(self) -> AppArgs:
         clash = [m.name for m in self.serving.lora_modules if m.name == self.served_model_name]
         if clash:
             raise ValueError(f"serving.lora_modules: adapter name {clash[0]!r} is the served model's name")

@@ -26,9 +26,8 @@ from typing import Any
 
 from ray import serve
 
-from app import metrics_server
+from app import metrics_server, tracing
 from app import probe as request_probe
-from app import tracing
 from app.config import AppArgs
 from app.protocol import (
     STAT_BLOCK_SIZE,
@@ -107,7 +106,8 @@ class VLLMEngine:
         self.block_size = cfg.engine.block_size
         self._load: dict[str, float] = {STAT_NUM_RUNNING: 0, STAT_NUM_WAITING: 0, STAT_KV_USAGE: 0.0}
         self.engine = AsyncLLM.from_engine_args(
-            engine_args(cfg, kv_events_topic=f"kv@{self.replica_id}", otlp_traces_endpoint=tracing.vllm_otlp_endpoint()),
+            engine_args(cfg, kv_events_topic=f"kv@{self.replica_id}",
+                        otlp_traces_endpoint=tracing.vllm_otlp_endpoint()),
             stat_loggers=[_make_load_logger(self._load)])
         self.frontend = EngineFrontend(request_probe.ProbedEngineClient(self.engine), cfg)
         # Set by the engine core's handshake (the profiled KV cache, or num_gpu_blocks_override).

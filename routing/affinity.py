@@ -123,7 +123,8 @@ class AffinityRouter:
         self.index = index
         self.predicted_ttl_s = predicted_ttl_s
         self.queued_predicted_ttl_s = max(queued_predicted_ttl_s, predicted_ttl_s)
-        self.queued_keys: dict[Hashable, tuple[str, Sequence[int]]] = {}  # request -> (replica, keys) before first token
+        # request -> (replica, keys) before its first token
+        self.queued_keys: dict[Hashable, tuple[str, Sequence[int]]] = {}
         self._queued_on: dict[str, dict[Hashable, None]] = {}  # replica -> its requests in queued_keys
         self.staleness = EventStaleness(stale_events_s)
         self.rng = rng or random.Random()
