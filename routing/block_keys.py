@@ -43,6 +43,7 @@ from routing._chain import chain_keys as _chain_loop
 
 __all__ = [
     "ROOT_SEED",
+    "Keys",
     "TokenIds",
     "block_keys",
     "block_keys_from_stored",
@@ -56,6 +57,14 @@ ROOT_SEED = 0
 
 TokenIds = Sequence[int] | array | bytes
 """Token ids: a sequence of ints, an ``array('I')``, or uint32-LE ``bytes``."""
+
+Keys = array
+"""Block keys: an ``array('Q')`` of ints in ``[0, 2**64)``, one per full block, in order.
+
+A sequence of ints (index, slice, iterate, ``len``) that is also a buffer of
+native-order uint64, so ``routing.index`` reads it without making a Python int
+a key, and that the garbage collector does not traverse (8 bytes a key, not a
+list's 8 plus 32 of an int object)."""
 
 _msgpack_encode = msgspec.msgpack.Encoder().encode
 _BIG_ENDIAN_HOST = sys.byteorder == "big"
@@ -88,7 +97,7 @@ def _as_uint32(token_ids: TokenIds, block_size: int) -> array:
     return tokens if usable == len(tokens) else tokens[:usable]
 
 
-def chain_keys(tokens: array, block_size: int, seed: int = ROOT_SEED) -> list[int]:
+def chain_keys(tokens: array, block_size: int, seed: int = ROOT_SEED) -> Keys:
     """Chained keys of blocks without extra keys (the common, fast path).
 
     Args:
@@ -102,21 +111,23 @@ def chain_keys(tokens: array, block_size: int, seed: int = ROOT_SEED) -> list[in
     Raises:
         ValueError: ``tokens`` is not a whole number of blocks.
     """
-    return _as_ints(_chain_loop(tokens, block_size, seed, b""))
+    return _as_keys(_chain_loop(tokens, block_size, seed, b""))
 
 
-def _as_ints(packed: bytes) -> list[int]:
-    """The C loop's native-order uint64 keys as a list of ints."""
-    return memoryview(packed).cast("Q").tolist()
+def _as_keys(packed: bytes) -> Keys:
+    """The C loop's native-order uint64 keys as an ``array('Q')``."""
+    keys = array("Q")
+    keys.frombytes(packed)
+    return keys
 
 
-def _chain_with_tails(tokens: array, block_size: int, seed: int, tails: Sequence[bytes]) -> list[int]:
+def _chain_with_tails(tokens: array, block_size: int, seed: int, tails: Sequence[bytes]) -> Keys:
     """Like :func:`chain_keys`, appending ``tails[i]`` to block ``i``'s bytes.
 
     One C loop per run of equal tails (a salt is on the first block only, a
     LoRA name on every block).
     """
-    keys: list[int] = []
+    keys = array("Q")
     key = seed
     start = 0
     n = len(tails)
@@ -125,7 +136,7 @@ def _chain_with_tails(tokens: array, block_size: int, seed: int, tails: Sequence
         end = start + 1
         while end < n and tails[end] == tail:
             end += 1
-        keys += _as_ints(_chain_loop(tokens[start * block_size : end * block_size], block_size, key, tail))
+        keys.frombytes(_chain_loop(tokens[start * block_size : end * block_size], block_size, key, tail))
         key = keys[-1]
         start = end
     return keys
@@ -149,7 +160,7 @@ def block_keys(
     cache_salt: str | None = None,
     lora_name: str | None = None,
     parent: int | None = None,
-) -> list[int]:
+) -> Keys:
     """Keys of the full blocks of ``token_ids``, chained from ``parent``.
 
     Args:
@@ -162,7 +173,7 @@ def block_keys(
             ``token_ids`` starts the sequence.
 
     Returns:
-        ``len(token_ids) // block_size`` keys; key ``i`` covers
+        ``len(token_ids) // block_size`` keys (``Keys``); key ``i`` covers
         ``token_ids[: (i + 1) * block_size]`` and whatever ``parent`` covers.
 
     Raises:
@@ -172,7 +183,7 @@ def block_keys(
     seed = ROOT_SEED if parent is None else parent
     salt = cache_salt if parent is None else None
     if lora_name is None and not salt:
-        return chain_keys(tokens, block_size, seed) if tokens else []
+        return chain_keys(tokens, block_size, seed)
     n_blocks = len(tokens) // block_size
     tails = [extra_keys_tail(lora_name, None)] * n_blocks
     if n_blocks:
@@ -216,7 +227,7 @@ def block_keys_from_stored(
     *,
     lora_name: str | None = None,
     extra_keys: Sequence[Sequence[Any] | None] | None = None,
-) -> list[int]:
+) -> Keys:
     """Keys of the blocks carried by one ``BlockStored`` event.
 
     The chain of :func:`block_keys`, with the extra keys taken from the
@@ -233,7 +244,7 @@ def block_keys_from_stored(
         extra_keys: the event's ``extra_keys`` (one entry per block), or None.
 
     Returns:
-        One key per full block of ``token_ids``.
+        One key per full block of ``token_ids`` (``Keys``).
 
     Raises:
         ValueError: ``block_size`` not positive or a token id out of range.
@@ -249,5 +260,5 @@ def block_keys_from_stored(
     elif lora_name is not None:
         tails = [extra_keys_tail(lora_name, None)] * n_blocks
     else:
-        return chain_keys(tokens, block_size, seed) if n_blocks else []
+        return chain_keys(tokens, block_size, seed)
     return _chain_with_tails(tokens, block_size, seed, tails)

@@ -89,6 +89,8 @@ def test_lookups_run_side_by_side(steady) -> None:
     if CORE is not None:
         d = plain["dynamo"]
         assert 0 < d["find_matches_p50"] <= d["p50"] <= d["p99"]
+        km = plain["keys_and_match"]  # the index part of ours, timed in the same turns
+        assert 0 < km["p50"] <= km["p99"] and km["p50"] <= plain["p50"]
         # Same prompts, same blocks: the same longest match on both sides.
         assert d["longest_match_fraction"] == pytest.approx(plain["longest_match_fraction"], abs=0.002)
     blind = bench_lookup(index, stream.docs, 16, 8192, 20, blind_window=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from array import array
 
 import pytest
 
@@ -32,7 +31,7 @@ BS = 16
 
 def request(rid: int, tokens: list[int], salt: str | None = None) -> SimRequest:
     r = SimRequest(rid, 0.0, ((rid, len(tokens)),), rid, len(tokens), 4, cache_salt=salt)
-    r.keys = array("Q", block_keys(tokens + [0] * 4, BS, cache_salt=salt))
+    r.keys = block_keys(tokens + [0] * 4, BS, cache_salt=salt)
     return r
 
 
@@ -46,7 +45,7 @@ def store(policy, replica: int, tokens: list[int]) -> None:
     """Deliver a BlockStored of ``tokens`` from ``replica`` to the policy's index, as an engine would."""
     n = len(tokens) // BS
     keys = block_keys(tokens, BS)
-    ev = BlockStored(block_hashes=keys[:n], parent_block_hash=None, token_ids=tokens[: n * BS], block_size=BS,
+    ev = BlockStored(block_hashes=keys[:n].tolist(), parent_block_hash=None, token_ids=tokens[: n * BS], block_size=BS,
                      lora_id=None, medium="GPU", lora_name=None, extra_keys=[None] * n, group_idx=0)
     path = EventPath(policy.index, 0.0)
     path.deliver(f"replica-{replica}", path.publish(f"replica-{replica}", [ev], 0.0)[1], 0.0)
@@ -83,7 +82,7 @@ def test_dynamo_runs_dynamos_radix_tree_and_agrees_with_our_index():
     p.setup(ctx())
     assert isinstance(p.index.tree, RadixTree)
     ours = BlockIndex(max_blocks=10_000)
-    keys = block_keys(PROMPT, BS)  # 40 blocks
+    keys = block_keys(PROMPT, BS).tolist()  # 40 blocks (ints: they stand in as engine block hashes)
     stored = BlockStored(block_hashes=keys[:30], parent_block_hash=None, token_ids=PROMPT[: 30 * BS], block_size=BS,
                          lora_id=None, medium="GPU", lora_name=None, extra_keys=[None] * 30, group_idx=0)
     removed = BlockRemoved(block_hashes=keys[20:30], medium="GPU", group_idx=0)

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import sys
-from array import array
 
 from bench.sim.latency import PRESETS
 from bench.sim.replica import EngineConfig, Replica, ReqState
@@ -111,7 +110,7 @@ def simulate(
     now = 0.0
     for i, (prompt, max_tokens) in enumerate(requests):
         req = SimRequest(i, now, ((i, len(prompt)),), i, len(prompt), max_tokens)
-        req.keys = array("Q", block_keys(list(prompt) + [1] * max_tokens, bs))
+        req.keys = block_keys(list(prompt) + [1] * max_tokens, bs)
         st = ReqState(req, now)
         rep.add(st)
         while rep.has_work():

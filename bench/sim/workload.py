@@ -138,7 +138,7 @@ class Workload:
         for req in it:
             toks = self.tokens(req)
             raw = toks.astype("<u4", copy=False).tobytes()
-            req.keys = array("Q", block_keys(raw, block_size, cache_salt=req.cache_salt))
+            req.keys = block_keys(raw, block_size, cache_salt=req.cache_salt)
             n_full = req.prompt_len // block_size
             tail = req.prompt_len - n_full * block_size
             if tail:
