@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
 import threading
 import time
@@ -349,7 +348,8 @@ class LLMUser(User):
     def max_tokens(self, default: int) -> int:
         return option(self.environment, "max_tokens") or default
 
-    def _fire(self, name: str, response_time: float, response_length: int = 0, exception: Exception | None = None) -> None:
+    def _fire(self, name: str, response_time: float, response_length: int = 0,
+              exception: Exception | None = None) -> None:
         self.environment.events.request.fire(
             request_type=self.workload_name, name=name, response_time=response_time,
             response_length=response_length, response=None, context={}, exception=exception,
@@ -381,7 +381,8 @@ class LLMUser(User):
         if self.samples_file and not _STOPPING["now"]:
             _write_sample(self.samples_file, {
                 "t": round(started_at, 4), "workload": self.workload_name, "user": self.user_index,
-                "tag": request.tag, "id": res.response_id, "ok": res.ok, "ttft_s": res.ttft_s, "e2e_s": round(res.e2e_s, 6),
+                "tag": request.tag, "id": res.response_id, "ok": res.ok, "ttft_s": res.ttft_s,
+                "e2e_s": round(res.e2e_s, 6),
                 "itl_mean_s": (sum(res.itl_s) / len(res.itl_s)) if res.itl_s else None,
                 "prompt_tokens": res.prompt_tokens, "cached_tokens": res.cached_tokens,
                 "completion_tokens": res.completion_tokens,

@@ -364,7 +364,7 @@ class MultiTurn:
         self.system = CHAT_SYSTEM_PREAMBLE + words(make_rng(seed, "multi_turn", "system"), cfg.system_words)
 
     def new_conversation(self, rng: random.Random, max_model_len: int | None = None,
-                         max_tokens: int | None = None) -> "Conversation":
+                         max_tokens: int | None = None) -> Conversation:
         """A new conversation; ``max_model_len`` bounds its growth (``None``: turns only)."""
         return Conversation(self, rng, rng.randint(*self.cfg.turns), max_model_len, max_tokens or self.cfg.max_tokens)
 
@@ -466,7 +466,8 @@ class Rag:
             {"role": "system", "content": RAG_SYSTEM},
             {"role": "user", "content": f"{self.documents[d]}\n\nQuestion: {question}"},
         ]
-        return LLMRequest(CHAT, {"messages": messages, "max_tokens": self.cfg.max_tokens}, tag=f"doc-{d}", meta={"doc": d})
+        return LLMRequest(CHAT, {"messages": messages, "max_tokens": self.cfg.max_tokens}, tag=f"doc-{d}",
+                          meta={"doc": d})
 
     def max_prompt_words(self) -> int:
         return len(RAG_SYSTEM.split()) + self.cfg.document_words + 2 + self.cfg.question_words[1] + 2
@@ -605,7 +606,8 @@ class MooncakeSynth:
                 break
             out.extend(self.block(h))
         if len(out) < n:  # a row whose input is longer than its hash ids cover
-            out.extend(token_ids(make_rng(self.seed, "mooncake-tail", entry.timestamp_ms, n), n - len(out), self.token_range))
+            out.extend(token_ids(make_rng(self.seed, "mooncake-tail", entry.timestamp_ms, n), n - len(out),
+                                 self.token_range))
         return out[:n]
 
     def request(self, entry: TraceEntry, max_model_len: int | None = None, max_output_tokens: int | None = None,
@@ -667,7 +669,7 @@ class TraceSchedule:
         self._next = 0
         t0 = self.entries[0].timestamp_ms
         self._offsets_ms = [e.timestamp_ms - t0 for e in self.entries]
-        gaps = [b - a for a, b in zip(self._offsets_ms, self._offsets_ms[1:])]
+        gaps = [b - a for a, b in zip(self._offsets_ms, self._offsets_ms[1:], strict=False)]
         mean_gap = (sum(gaps) / len(gaps)) if gaps else 1000.0
         self.lap_ms = self._offsets_ms[-1] + mean_gap
         self._start_row = start_row % len(self.entries)
