@@ -113,7 +113,8 @@ router-side ingest >= 3x Dynamo's (the smaller ratio of the two block-size-16
 streams), 8k-token lookup p99 <= 0.5x Dynamo's (binding included, as its
 Python API runs it; the ratio against ``find_matches`` alone is reported
 beside it), the index part of it (our ``block_keys`` + ``BlockIndex.match``,
-timed in the same turns) <= 0.25x Dynamo's hash + ``find_matches`` p99, <= 64 bytes per (replica, block) entry (tracemalloc, 10 M entries),
+timed in the same turns) <= 0.25x Dynamo's hash + ``find_matches`` p99,
+<= 64 bytes per (replica, block) entry (tracemalloc, 10 M entries),
 64-replica 8k lookup p99 <= 2x the 16-replica one.
 
 Dynamo's API, as used here: ``RadixTree()``, ``apply_event(worker_id,

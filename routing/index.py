@@ -59,6 +59,7 @@ import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 
+from routing import defaults
 from routing._blocktable import MAX_REPLICAS, BlockTable
 from routing.key_events import AllKeysCleared, KeyEvent, KeysRemoved, KeysStored
 
@@ -117,7 +118,7 @@ class BlockIndex:
         max_blocks: cap on (replica, key) entries, > 0.
     """
 
-    def __init__(self, *, max_blocks: int = 4_000_000) -> None:
+    def __init__(self, *, max_blocks: int = defaults.MAX_INDEXED_BLOCKS) -> None:
         if max_blocks <= 0:
             raise ValueError(f"max_blocks must be positive, got {max_blocks}")
         self.max_blocks = max_blocks

@@ -51,7 +51,7 @@ def test_keys_are_prefix_fingerprints() -> None:
     other[20] += 1  # change one token of block 1
     a, b = block_keys(TOKENS, 16), block_keys(other, 16)
     assert a[0] == b[0]
-    assert all(x != y for x, y in zip(a[1:], b[1:]))  # every later key changes too
+    assert all(x != y for x, y in zip(a[1:], b[1:], strict=True))  # every later key changes too
     assert all(0 <= k < 2**64 for k in a)
 
 

@@ -408,12 +408,12 @@ def test_match_across_walk_chunks(held) -> None:
     rng = random.Random(sum(held))
     tokens = [rng.randrange(1000) for _ in range(100 * BS)]
     idx = Pipeline()
-    for j, (rid, n) in enumerate(zip(R, held)):
+    for j, (rid, n) in enumerate(zip(R, held, strict=True)):
         if n:  # engine block hashes: 1000 * (j + 1) + block number
             idx.apply_event(rid, stored([1000 * (j + 1) + i for i in range(n)], tokens[: n * BS]))
     keys = block_keys(tokens + [7] * 3, BS)
     assert len(keys) == 100
-    want = dict(zip(R, held))
+    want = dict(zip(R, held, strict=True))
     assert idx.match(keys, R, 0.0) == want
     assert idx.match(array("Q", keys), R, 0.0) == want
     # A hole: r0 loses its block 70 (if it held it) and then holds only blocks 0-69.
