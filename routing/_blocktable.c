@@ -309,21 +309,32 @@ check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t least, Py_ssize_t mos
     return 1;
 }
 
+/* An int in [0, max] -> *out; -1 with TypeError / OverflowError naming `what`. */
 static int
-key_of(PyObject *obj, uint64_t *out)
+bounded_int(PyObject *obj, const char *what, unsigned long long max, unsigned long long *out)
 {
     if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "block key must be an int, not %.100s", Py_TYPE(obj)->tp_name);
+        PyErr_Format(PyExc_TypeError, "%s must be an int, not %.100s", what, Py_TYPE(obj)->tp_name);
         return -1;
     }
-    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj); /* OverflowError if negative or >= 2**64 */
+    if ((v == (unsigned long long)-1 && PyErr_Occurred()) || v > max) {
+        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_OverflowError)) {
             PyErr_Clear();
-            PyErr_SetString(PyExc_OverflowError, "block key must be in [0, 2**64)");
+            PyErr_Format(PyExc_OverflowError, "%s must be in [0, %llu]", what, max);
         }
         return -1;
     }
+    *out = v;
+    return 0;
+}
+
+static int
+key_of(PyObject *obj, uint64_t *out)
+{
+    unsigned long long v;
+    if (bounded_int(obj, "block key", UINT64_MAX, &v) < 0)
+        return -1;
     *out = (uint64_t)v;
     return 0;
 }
@@ -331,17 +342,9 @@ key_of(PyObject *obj, uint64_t *out)
 static int
 replica_of(PyObject *obj, uint32_t *out)
 {
-    if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "replica slot must be an int, not %.100s", Py_TYPE(obj)->tp_name);
+    unsigned long long v;
+    if (bounded_int(obj, "replica slot", MAX_REPLICAS - 1, &v) < 0)
         return -1;
-    }
-    long v = PyLong_AsLong(obj);
-    if (v == -1 && PyErr_Occurred())
-        return -1;
-    if (v < 0 || v >= MAX_REPLICAS) {
-        PyErr_Format(PyExc_OverflowError, "replica slot must be in [0, %d), got %ld", MAX_REPLICAS, v);
-        return -1;
-    }
     *out = (uint32_t)v;
     return 0;
 }

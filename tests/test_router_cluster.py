@@ -284,15 +284,20 @@ def test_scaled_up_ingress_replicas_both_route_warm_prefixes_to_their_holders(ap
         wait_ready(app)
 
 
+def start_streams(streams: list[Stream], chunks: int, timeout_s: float = 60.0) -> list[Stream]:
+    """Start ``streams`` and wait (at most ``timeout_s``) until each has read ``chunks`` chunks."""
+    for s in streams:
+        s.start()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not all(s.chunks >= chunks for s in streams):
+        time.sleep(0.1)
+    return streams
+
+
 def test_replica_loss_mid_stream_then_replacement_is_indexed(app):
     snap = routing(app)
     assert len(snap["subscribed"]) == 2
-    streams = [Stream(app, tokens(700 + i, 64), max_tokens=400) for i in range(4)]
-    for s in streams:
-        s.start()
-    wait_until = time.monotonic() + 60
-    while time.monotonic() < wait_until and not all(s.chunks >= 2 for s in streams):
-        time.sleep(0.1)
+    streams = start_streams([Stream(app, tokens(700 + i, 64), max_tokens=400) for i in range(4)], chunks=2)
     assert all(s.chunks >= 2 for s in streams), [s.error for s in streams]
     placement = {s.request_id: decision(app, s.request_id)["replica_id"] for s in streams}
     victim = placement[streams[0].request_id]
@@ -356,12 +361,7 @@ def test_scale_down_drains_in_flight_streams(app):
     import copy
 
     assert len(routing(app)["subscribed"]) == 2
-    streams = [Stream(app, tokens(1100 + i, 64), max_tokens=120) for i in range(4)]
-    for s in streams:
-        s.start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not all(s.chunks >= 1 for s in streams):
-        time.sleep(0.1)
+    streams = start_streams([Stream(app, tokens(1100 + i, 64), max_tokens=120) for i in range(4)], chunks=1)
     on = {decision(app, s.request_id)["replica_id"] for s in streams}
     entry = copy.deepcopy(app.entry)
     engine_deployment(entry)["num_replicas"] = 1  # what editing serve_config.yaml and redeploying does
