@@ -160,7 +160,7 @@ from app.config import RouterConfig
 from bench.stats import percentile
 from routing.affinity import Candidate
 from routing.block_keys import ROOT_SEED, block_keys, chain_keys
-from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch
+from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineBlockHash, decode_batch, encode_batch
 from routing.index import BlockIndex
 from routing.key_events import KeysStored, decode_key_frames, encode_key_frames, keys_to_bytes
 from routing.relay import KeyRelay
@@ -242,7 +242,7 @@ class ToyEngine:
     def __init__(self, block_size: int, capacity: int) -> None:
         self.block_size = block_size
         self.capacity = capacity
-        self.cache: OrderedDict[int, int] = OrderedDict()  # engine hash -> physical copies
+        self.cache: OrderedDict[EngineBlockHash, int] = OrderedDict()  # engine hash -> physical copies
         self.payloads: list[bytes] = []
         self.stored_blocks = 0
         self.removed_blocks = 0
@@ -254,7 +254,7 @@ class ToyEngine:
         bs = self.block_size
         seq = prompt + [rng.randrange(VOCAB) for _ in range(output_tokens)]
         data = array("I", seq).tobytes()
-        hashes: list[int] = []
+        hashes: list[EngineBlockHash] = []
         h = ENGINE_SEED
         for i in range(len(seq) // bs):
             h = xxhash.xxh64_intdigest(data[4 * bs * i : 4 * bs * (i + 1)], h)
@@ -277,7 +277,7 @@ class ToyEngine:
             if eh in self.cache:
                 self.cache.move_to_end(eh)
 
-    def _store(self, hashes: list[int], seq: list[int], start: int, end: int) -> list:
+    def _store(self, hashes: list[EngineBlockHash], seq: list[int], start: int, end: int) -> list:
         bs = self.block_size
         events: list = [
             BlockStored(
@@ -398,7 +398,7 @@ def dynamo_events(stream: Stream, core: Any) -> tuple[list[tuple[int, bytes]], d
             event_ids[w] += 1
             if type(ev) is BlockStored:
                 blocks = [{"block_hash": h, "tokens_hash": t}
-                          for h, t in zip(ev.block_hashes, token_hashes(array("I", ev.token_ids), bs))]
+                          for h, t in zip(ev.block_hashes, token_hashes(array("I", ev.token_ids), bs), strict=False)]
                 data: Any = {"stored": {"parent_hash": ev.parent_block_hash, "blocks": blocks}}
             elif type(ev) is BlockRemoved:
                 data = {"removed": {"block_hashes": list(ev.block_hashes)}}
@@ -597,7 +597,7 @@ def bench_lookup(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: i
     routed_samples: list[int] = []
     matched_fraction = 0.0
 
-    def ours(i: int, tokens: list[int]) -> None:
+    def ours(i: int, tokens: Sequence[int]) -> None:
         nonlocal matched_fraction
         # A fresh array('I'), as the ingress hands token ids to the router
         # (EngineRequest.prompt_token_ids); tokenization is not timed.
@@ -622,7 +622,7 @@ def bench_lookup(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: i
 
     index_samples: list[int] = []
 
-    def ours_index(i: int, tokens: list[int]) -> None:
+    def ours_index(i: int, tokens: Sequence[int]) -> None:
         prompt = array("I", tokens)
         t0 = time.perf_counter_ns()
         matched = index.match(block_keys(prompt, block_size), replicas, 0.0)
@@ -639,7 +639,7 @@ def bench_lookup(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: i
         token_hashes = core.compute_block_hash_for_seq
         find = tree.find_matches
 
-    def theirs(i: int, tokens: list[int]) -> None:
+    def theirs(i: int, tokens: Sequence[int]) -> None:
         nonlocal dyn_fraction
         prompt = array("I", tokens)  # its binding's fastest input (a list is slower)
         t0 = time.perf_counter_ns()
@@ -753,7 +753,7 @@ def scale_workload(replicas: int, entries: int, block_size: int = 16, seed: int 
         a.frombytes(draw.integers(0, VOCAB, n, dtype=np.uint32).tobytes())
         return a
 
-    def stored(keys: list[int], parent: int | None) -> list:
+    def stored(keys: Sequence[int], parent: int | None) -> list:
         events = []
         for s in range(0, len(keys), chunk):
             events.append(KeysStored(parent if s == 0 else keys[s - 1], keys_to_bytes(keys[s : s + chunk])))
@@ -764,7 +764,8 @@ def scale_workload(replicas: int, entries: int, block_size: int = 16, seed: int 
     batches: list[tuple[str, list]] = [(rid, stored(k, None)) for k in system_keys for rid in ids]
     total = len(system_keys[0]) * len(system_keys) * replicas
     distinct = len(system_keys[0]) * len(system_keys)
-    copies, weights = zip(*SCALE_COPIES)
+    copies = [c for c, _ in SCALE_COPIES]
+    weights = [w for _, w in SCALE_COPIES]
     docs: list[list[int]] = []
     while total < entries:
         s = rng.randrange(SCALE_SYSTEM_PROMPTS)
@@ -902,9 +903,9 @@ def print_table(result: dict) -> None:
     widths = [max(len(r[i]) for r in rows + [("", "ours", "Dynamo", "ratio", "target")]) for i in range(5)]
     header = ("", "ours", "Dynamo", "ratio", "target")
     print()
-    print("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths))))
+    print("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths, strict=True))))
     for r in rows:
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))))
     print()
     agreement = side.get("match_agreement")
     if agreement:
@@ -1000,7 +1001,7 @@ def main(argv: list[str] | None = None) -> dict:
     blind_by_block_size: dict[str, dict] = {}
     dynamo_by_block_size: dict[str, dict] = {}
     ingest: dict[str, dict] = {}
-    agreement = {"prompts": 0, "disagreements": 0, "examples": []}
+    agreement: dict[str, Any] = {"prompts": 0, "disagreements": 0, "examples": []}
     for bs in (16, 32):
         filling, index, tree, _ = bench_ingest(bs, requests, capacity=10**9, core=core)
         del index, tree
@@ -1017,7 +1018,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(line, flush=True)
         workers = {rid: w for w, rid in enumerate(stream.replica_ids)}
         if core is not None:
-            for name, size in sizes.items():
+            for size in sizes.values():
                 n, bad = compare_matches(index, tree, core, stream.docs, bs, size,
                                          max(5, int(MATCH_CHECK_PROMPTS * scale)), workers)
                 agreement["prompts"] += n
