@@ -59,7 +59,7 @@ def _group(name: str) -> set[str]:
     ``dependencies`` or an extra, with the extras it names of this project expanded."""
     import re
 
-    import tomllib
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     reqs = project["dependencies"] if name == "core" else project["optional-dependencies"][name]
