@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import pytest
+
 from tests.conftest import REPO
 
 MODEL = REPO / "models" / "tiny-qwen2"
