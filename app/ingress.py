@@ -341,6 +341,26 @@ def _drop(pending: asyncio.Future | None) -> None:
         pending.cancel()
 
 
+async def _next_within(answer: AsyncIterator[Any], pending: asyncio.Future | None,
+                       timeout: float | None) -> tuple[Any, asyncio.Future | None]:
+    """The answer's next item if it comes within ``timeout`` seconds (None: no limit).
+
+    ``pending``: the wait for that item started by an earlier call that timed out,
+    or None to start one. Returns ``(item, None)``, or ``(None, wait)`` when nothing
+    came in time (pass ``wait`` back to go on waiting for the same item). Raises
+    what the answer raised (``StopAsyncIteration`` at its end); a cancelled caller
+    cancels the wait.
+    """
+    if pending is None:
+        pending = asyncio.ensure_future(answer.__anext__())
+    try:
+        done, _ = await asyncio.wait({pending}, timeout=timeout)
+    except BaseException:
+        _drop(pending)
+        raise
+    return (pending.result(), None) if done else (None, pending)
+
+
 def _timeout_error(timeout_s: float) -> OpenAIError:
     return OpenAIError(f"request timed out after {timeout_s:g} s (lifecycle.request_timeout_s)", 504)
 
@@ -623,21 +643,11 @@ class OpenAIIngress:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         keepalive = self.args.lifecycle.stream_keepalive_s or None
-        first = asyncio.ensure_future(answer.__anext__())
-        try:
-            done, _ = await asyncio.wait({first}, timeout=keepalive)
-        except BaseException:
-            _drop(first)
-            raise
-        held = None
-        pending: asyncio.Future | None = first  # still awaited: _sse takes it over
-        if done:
-            item = first.result()  # an error here is the request's: raised before any byte is sent
-            pending = None
-            if isinstance(item, ErrorResponse):
-                return False, item
-            if not isinstance(item, Accepted):
-                held = item
+        # An error raised here is the request's: it goes out before any byte is sent.
+        item, pending = await _next_within(answer, None, keepalive)  # pending: still awaited, _sse takes it over
+        if isinstance(item, ErrorResponse):
+            return False, item
+        held = None if pending is not None or isinstance(item, Accepted) else item
         return True, StreamingResponse(self._sse(answer, route, pending, held, keepalive),
                                        media_type="text/event-stream")
 
@@ -652,14 +662,10 @@ class OpenAIIngress:
             if held is None and pending is not None:  # still queued: the first bytes go out with the headers
                 yield _KEEPALIVE
             while held is None:  # waiting for the first token: comments keep idle-timeout proxies open
-                if pending is None:
-                    pending = asyncio.ensure_future(answer.__anext__())
-                done, _ = await asyncio.wait({pending}, timeout=keepalive)
-                if not done:
+                item, pending = await _next_within(answer, pending, keepalive)
+                if pending is not None:
                     yield _KEEPALIVE
-                    continue
-                item, pending = pending.result(), None
-                if not isinstance(item, Accepted):  # a retry on another replica is accepted again
+                elif not isinstance(item, Accepted):  # a retry on another replica is accepted again
                     held = item
             if isinstance(held, ErrorResponse):  # refused by vLLM after the headers went out
                 status = str(held.error.code)
