@@ -25,7 +25,7 @@ build-deps:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends libxxhash-dev >/dev/null; }
 
-$(STAMP): pyproject.toml setup.py routing/_blocktable.c routing/_chain.c bench/requirements-peers.txt
+$(STAMP): pyproject.toml setup.py routing/_blocktable.c routing/_chain.c routing/_buffers.h bench/requirements-peers.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip wheel
 	$(PY) -m pip install --quiet $(PIP_INDEX) -e ".[$(EXTRA),bench,test,lint]"

@@ -41,8 +41,9 @@ def _xxhash_include_dirs() -> list[str]:
 
 setup(
     ext_modules=[
-        Extension("routing._blocktable", ["routing/_blocktable.c"], extra_compile_args=FLAGS, extra_link_args=LINK),
-        Extension("routing._chain", ["routing/_chain.c"], include_dirs=_xxhash_include_dirs(),
+        Extension("routing._blocktable", ["routing/_blocktable.c"], depends=["routing/_buffers.h"],
                   extra_compile_args=FLAGS, extra_link_args=LINK),
+        Extension("routing._chain", ["routing/_chain.c"], depends=["routing/_buffers.h"],
+                  include_dirs=_xxhash_include_dirs(), extra_compile_args=FLAGS, extra_link_args=LINK),
     ]
 )

@@ -32,8 +32,11 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "_buffers.h"
 
 #define MASK_WORDS 2
 #define MAX_REPLICAS (64 * MASK_WORDS)
@@ -99,23 +102,28 @@ mask_clear(Mask *m, uint32_t replica)
 
 /* A Python int in [0, 2**MAX_REPLICAS) -> Mask; -1 with TypeError / OverflowError. */
 static int
-mask_from_int(PyObject *obj, Mask *out)
+mask_from_int(PyObject *arg, Mask *out)
 {
-    if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "a replica mask must be an int, not %.100s", Py_TYPE(obj)->tp_name);
+    if (!PyLong_Check(arg) || PyBool_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "a replica mask must be an int, not %.100s", Py_TYPE(arg)->tp_name);
         return -1;
     }
+    PyObject *obj = PyNumber_Index(arg); /* an exact int: a subclass's own operators never run */
+    if (obj == NULL)
+        return -1;
+    int rc = 0;
     unsigned long long low = PyLong_AsUnsignedLongLong(obj);
     if (!(low == (unsigned long long)-1 && PyErr_Occurred())) {
         *out = (Mask){{(uint64_t)low, 0}};
-        return 0;
+        goto done;
     }
+    rc = -1;
     if (!PyErr_ExceptionMatches(PyExc_OverflowError))
-        return -1;
+        goto done;
     PyErr_Clear(); /* negative, or wider than 64 bits */
     PyObject *high_obj = PyNumber_Rshift(obj, SIXTY_FOUR);
     if (high_obj == NULL)
-        return -1;
+        goto done;
     unsigned long long high = PyLong_AsUnsignedLongLong(high_obj); /* negative or too wide: OverflowError */
     Py_DECREF(high_obj);
     if (high == (unsigned long long)-1 && PyErr_Occurred()) {
@@ -123,11 +131,14 @@ mask_from_int(PyObject *obj, Mask *out)
             PyErr_Clear();
             PyErr_Format(PyExc_OverflowError, "a replica mask must be in [0, 2**%d)", MAX_REPLICAS);
         }
-        return -1;
+        goto done;
     }
     out->w[0] = (uint64_t)PyLong_AsUnsignedLongLongMask(obj);
     out->w[1] = (uint64_t)high;
-    return PyErr_Occurred() ? -1 : 0;
+    rc = PyErr_Occurred() ? -1 : 0;
+done:
+    Py_DECREF(obj);
+    return rc;
 }
 
 static PyObject *
@@ -225,21 +236,10 @@ table_init(Table *t, uint64_t seed)
     return 0;
 }
 
-/* Grow so that `more` inserts keep the load factor at or below 1/2; 0, or -1 with MemoryError
- * (the table unchanged).  Inserts never grow the table: every method reserves first. */
+/* Move every entry into a fresh array of `capacity` slots; 0, or -1 with MemoryError (unchanged). */
 static int
-reserve(Kind kind, Table *t, size_t more)
+rehash(Kind kind, Table *t, size_t capacity)
 {
-    size_t capacity = t->capacity_mask + 1;
-    if (more > (SIZE_MAX / sizeof(Slot)) / 4 - t->used) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    size_t need = (t->used + more) * 2;
-    if (need <= capacity)
-        return 0;
-    while (capacity < need)
-        capacity *= 2;
     Slot *fresh = PyMem_Calloc(capacity, sizeof(Slot));
     if (fresh == NULL) {
         PyErr_NoMemory();
@@ -255,6 +255,63 @@ reserve(Kind kind, Table *t, size_t more)
     }
     PyMem_Free(old);
     return 0;
+}
+
+/* Grow so that `more` inserts keep the load factor at or below 1/2; 0, or -1 with MemoryError
+ * (the table unchanged).  Inserts never grow the table: every method reserves first. */
+static int
+reserve(Kind kind, Table *t, size_t more)
+{
+    size_t capacity = t->capacity_mask + 1;
+    if (more > (SIZE_MAX / sizeof(Slot)) / 4 - t->used) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t need = (t->used + more) * 2;
+    if (need <= capacity)
+        return 0;
+    while (capacity < need)
+        capacity *= 2;
+    return rehash(kind, t, capacity);
+}
+
+/* Of keys[0..n), how many have no entry for tag: an upper bound of the inserts a batch makes. */
+static size_t
+count_absent(Kind kind, const Table *t, const uint64_t *keys, Py_ssize_t n, uint64_t tag)
+{
+    size_t absent = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n)
+            PREFETCH(&t->slots[home(t, keys[i + PREFETCH_AHEAD], tag)]);
+        absent += !occupied(kind, &t->slots[find(kind, t, keys[i], tag)]);
+    }
+    return absent;
+}
+
+/* reserve() for a batch of keys: when the batch's length would cross the load bound, count the
+ * keys really absent first (batches mostly repeat keys other replicas hold already), so a
+ * table does not double for inserts that never come. */
+static int
+reserve_for(Kind kind, Table *t, const uint64_t *keys, Py_ssize_t n, uint64_t tag)
+{
+    if ((t->used + (size_t)n) * 2 <= t->capacity_mask + 1)
+        return 0;
+    return reserve(kind, t, count_absent(kind, t, keys, n, tag));
+}
+
+/* Give memory back once a table is at most 1/8 full: down to load 1/4 (so growing again takes
+ * as many inserts), never below MIN_CAPACITY.  Best effort: on MemoryError the table stays. */
+static void
+shrink(Kind kind, Table *t)
+{
+    size_t capacity = t->capacity_mask + 1;
+    if (capacity <= MIN_CAPACITY || t->used * 8 > capacity)
+        return;
+    size_t target = MIN_CAPACITY;
+    while (target < t->used * 4)
+        target *= 2;
+    if (target < capacity && rehash(kind, t, target) < 0)
+        PyErr_Clear();
 }
 
 /* Claim the empty slot i (from find) for key; the caller fills the value.  Room was reserved. */
@@ -313,7 +370,7 @@ check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t least, Py_ssize_t mos
 static int
 bounded_int(PyObject *obj, const char *what, unsigned long long max, unsigned long long *out)
 {
-    if (!PyLong_Check(obj)) {
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "%s must be an int, not %.100s", what, Py_TYPE(obj)->tp_name);
         return -1;
     }
@@ -357,7 +414,13 @@ seconds_of(PyObject *obj, double *out)
         return -1;
     }
     *out = PyFloat_AsDouble(obj);
-    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+    if (*out == -1.0 && PyErr_Occurred())
+        return -1;
+    if (isnan(*out)) {
+        PyErr_SetString(PyExc_ValueError, "a time must not be NaN");
+        return -1;
+    }
+    return 0;
 }
 
 /* A sequence of block keys: a bytes-like of uint64 (native order) or a sequence of ints.
@@ -369,13 +432,8 @@ keys_arg(PyObject *obj, uint64_t **out, Py_ssize_t *n)
     *n = 0;
     if (PyObject_CheckBuffer(obj)) {
         Py_buffer view;
-        if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0)
+        if (uint_buffer(obj, &view, sizeof(uint64_t), "keys") < 0)
             return -1;
-        if (view.len % (Py_ssize_t)sizeof(uint64_t) != 0) {
-            PyBuffer_Release(&view);
-            PyErr_SetString(PyExc_ValueError, "a bytes-like of keys must hold whole uint64 keys");
-            return -1;
-        }
         *n = view.len / (Py_ssize_t)sizeof(uint64_t);
         *out = PyMem_Malloc((*n ? (size_t)*n : 1) * sizeof(uint64_t));
         if (*out == NULL) {
@@ -386,6 +444,11 @@ keys_arg(PyObject *obj, uint64_t **out, Py_ssize_t *n)
         memcpy(*out, view.buf, (size_t)*n * sizeof(uint64_t)); /* need not be 8-byte aligned */
         PyBuffer_Release(&view);
         return 0;
+    }
+    if (!PySequence_Check(obj)) { /* not a set or dict: their order is not the prompt's */
+        PyErr_Format(PyExc_TypeError, "keys must be a bytes-like of uint64 or a sequence of ints, not %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
     }
     PyObject *seq = PySequence_Fast(obj, "keys must be a bytes-like of uint64 or a sequence of ints");
     if (seq == NULL)
@@ -422,8 +485,11 @@ static PyObject *
 BlockTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"seed", NULL};
+    PyObject *seed_obj = NULL;
     unsigned long long seed = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|K:BlockTable", kwlist, &seed))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:BlockTable", kwlist, &seed_obj))
+        return NULL;
+    if (seed_obj != NULL && bounded_int(seed_obj, "seed", UINT64_MAX, &seed) < 0)
         return NULL;
     BlockTable *t = (BlockTable *)type->tp_alloc(type, 0);
     if (t == NULL)
@@ -612,13 +678,15 @@ event_args(const char *name, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t
 }
 
 PyDoc_STRVAR(add_doc,
-             "add(keys, replica, /)\n--\n\n"
+             "add(keys, replica, room, /)\n--\n\n"
              "Replica slot ``replica`` now really holds ``keys`` (a ``KeysStored`` event: a\n"
              "bytes-like of uint64 keys or a sequence of ints).  A key the replica did not\n"
              "hold gets its bit; a key it held by prediction keeps the bit and loses the\n"
-             "prediction (confirmed); a key it already really held is a duplicate.\n\n"
-             "Returns ``(new, confirmed, duplicates)``.  Raises TypeError / OverflowError /\n"
-             "ValueError (bad key or slot) or MemoryError before any change.");
+             "prediction (confirmed); a key it already really held is a duplicate.  Once\n"
+             "``room`` keys were new or confirmed, the rest that would be are refused (the\n"
+             "index's cap on entries), in order.\n\n"
+             "Returns ``(new, confirmed, duplicates, refused)``.  Raises TypeError /\n"
+             "OverflowError / ValueError (bad key, slot or room) or MemoryError before any change.");
 
 static PyObject *
 BlockTable_add(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
@@ -626,36 +694,47 @@ BlockTable_add(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
     uint64_t *keys;
     Py_ssize_t n;
     uint32_t replica;
-    if (event_args("add", args, nargs, 2, &keys, &n, &replica, NULL) < 0)
+    unsigned long long room;
+    if (!check_nargs("add", nargs, 3, 3) || bounded_int(args[2], "room", PY_SSIZE_T_MAX, &room) < 0)
+        return NULL;
+    if (event_args("add", args, nargs, 3, &keys, &n, &replica, NULL) < 0)
         return NULL;
     PyObject *result = NULL;
-    Py_ssize_t fresh = 0, confirmed = 0, duplicates = 0;
+    Py_ssize_t fresh = 0, confirmed = 0, duplicates = 0, refused = 0;
     Table *h = &t->holders, *p = &t->predicted;
-    if (reserve(HOLDERS, h, (size_t)n) < 0)
+    if (reserve_for(HOLDERS, h, keys, n, 0) < 0)
         goto done;
     for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++)
         PREFETCH(&h->slots[home(h, keys[i], 0)]);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n)
             PREFETCH(&h->slots[home(h, keys[i + PREFETCH_AHEAD], 0)]);
+        int full = (unsigned long long)(fresh + confirmed) >= room;
         size_t j = find(HOLDERS, h, keys[i], 0);
         Slot *s = &h->slots[j];
-        if (!occupied(HOLDERS, s))
-            s = insert_at(h, j, keys[i]); /* the common case: nobody holds it yet */
-        else if (mask_has(s->v.holders, replica)) {
+        if (occupied(HOLDERS, s) && mask_has(s->v.holders, replica)) {
             size_t at = find(PREDICTED, p, keys[i], (uint64_t)replica + 1);
-            if (occupied(PREDICTED, &p->slots[at])) {
+            if (!occupied(PREDICTED, &p->slots[at]))
+                duplicates++;
+            else if (full)
+                refused++; /* stays a prediction, and expires as one */
+            else {
                 erase(PREDICTED, p, at);
                 confirmed++;
             }
-            else
-                duplicates++;
             continue;
         }
+        if (full) {
+            refused++;
+            continue;
+        }
+        if (!occupied(HOLDERS, s))
+            s = insert_at(h, j, keys[i]); /* the common case: nobody holds it yet */
         mask_set(&s->v.holders, replica);
         fresh++;
     }
-    result = Py_BuildValue("(nnn)", fresh, confirmed, duplicates);
+    shrink(PREDICTED, p);
+    result = Py_BuildValue("(nnnn)", fresh, confirmed, duplicates, refused);
 done:
     PyMem_Free(keys);
     return result;
@@ -686,18 +765,19 @@ BlockTable_remove(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
             removed++;
     }
     PyMem_Free(keys);
+    shrink(HOLDERS, &t->holders);
     return Py_BuildValue("(nn)", removed, unknown);
 }
 
 PyDoc_STRVAR(predict_doc,
              "predict(keys, replica, until, /)\n--\n\n"
              "Record that replica slot ``replica`` will hold ``keys`` until ``until`` (seconds,\n"
-             "the blind window of ``routing.index``).  A key whose mask lacks the replica gets\n"
-             "its bit and a prediction; a key it holds by an earlier prediction gets the new\n"
-             "``until``; a key it really holds is left alone.\n\n"
+             "not NaN; the blind window of ``routing.index``).  A key whose mask lacks the\n"
+             "replica gets its bit and a prediction; a key it holds by an earlier prediction\n"
+             "gets the new ``until``; a key it really holds is left alone.\n\n"
              "Returns ``(new, tracked)``: keys newly predicted, and the uint64 ``bytes`` of the\n"
-             "keys whose ``until`` was set (new and extended), for ``expire``.  Bad\n"
-             "arguments or MemoryError raise before any change.");
+             "keys whose ``until`` was set (new and extended), for ``expire``.  Bad arguments\n"
+             "raise, and ``tracked`` and the room are allocated, before any change.");
 
 static PyObject *
 BlockTable_predict(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
@@ -708,23 +788,33 @@ BlockTable_predict(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
     double until;
     if (event_args("predict", args, nargs, 3, &keys, &n, &replica, &until) < 0)
         return NULL;
-    PyObject *result = NULL;
+    PyObject *result = NULL, *tracked = NULL;
     Table *h = &t->holders, *p = &t->predicted;
     uint64_t tag = (uint64_t)replica + 1;
-    uint64_t *tracked = PyMem_Malloc((n ? (size_t)n : 1) * sizeof(uint64_t));
-    if (tracked == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    /* Room first: from here on nothing can fail, so every key predicted is in `tracked`. */
-    if (reserve(HOLDERS, h, (size_t)n) < 0 || reserve(PREDICTED, p, (size_t)n) < 0)
-        goto done;
-    Py_ssize_t fresh = 0, count = 0;
+    /* A read-only pass first: predict never makes a key really held, so the keys it will track
+     * are those not really held now, and the inserts are at most the keys absent now. */
+    Py_ssize_t count = 0;
+    size_t holder_inserts = 0, prediction_inserts = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n) { /* both tables' slots of a key further on: the misses overlap */
             PREFETCH(&h->slots[home(h, keys[i + PREFETCH_AHEAD], 0)]);
             PREFETCH(&p->slots[home(p, keys[i + PREFETCH_AHEAD], tag)]);
         }
+        const Slot *s = &h->slots[find(HOLDERS, h, keys[i], 0)];
+        int predicted = occupied(PREDICTED, &p->slots[find(PREDICTED, p, keys[i], tag)]);
+        if (occupied(HOLDERS, s) && mask_has(s->v.holders, replica) && !predicted)
+            continue; /* really held */
+        count++;
+        holder_inserts += !occupied(HOLDERS, s);
+        prediction_inserts += !predicted;
+    }
+    tracked = PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(uint64_t));
+    if (tracked == NULL || reserve(HOLDERS, h, holder_inserts) < 0 || reserve(PREDICTED, p, prediction_inserts) < 0)
+        goto done;
+    /* From here on nothing can fail: every key predicted is in `tracked`. */
+    char *out = PyBytes_AS_STRING(tracked);
+    Py_ssize_t fresh = 0, written = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t key = keys[i];
         size_t j = find(HOLDERS, h, key, 0);
         Slot *s = &h->slots[j];
@@ -743,11 +833,11 @@ BlockTable_predict(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
             q->v.predicted.until = until;
             fresh++;
         }
-        tracked[count++] = key;
+        memcpy(out + (size_t)written++ * sizeof(uint64_t), &key, sizeof(uint64_t));
     }
-    result = Py_BuildValue("(ny#)", fresh, (const char *)tracked, (Py_ssize_t)((size_t)count * sizeof(uint64_t)));
+    result = Py_BuildValue("(nO)", fresh, tracked);
 done:
-    PyMem_Free(tracked);
+    Py_XDECREF(tracked);
     PyMem_Free(keys);
     return result;
 }
@@ -755,7 +845,7 @@ done:
 PyDoc_STRVAR(expire_doc,
              "expire(tracked, replica, now, /)\n--\n\n"
              "Retire replica slot ``replica``'s predictions of the keys in ``tracked``\n"
-             "(``predict``'s bytes) whose ``until`` is at or before ``now``; confirmed,\n"
+             "(``predict``'s bytes) whose ``until`` is at or before ``now`` (not NaN); confirmed,\n"
              "cleared or extended ones are skipped.  A retired key loses the replica's bit.\n"
              "Returns how many were retired.");
 
@@ -786,6 +876,8 @@ BlockTable_expire(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         expired++;
     }
     PyMem_Free(keys);
+    shrink(PREDICTED, p);
+    shrink(HOLDERS, h);
     return PyLong_FromSsize_t(expired);
 }
 
@@ -810,9 +902,9 @@ push_key(uint64_t **keys, size_t *count, size_t *cap, uint64_t key)
 PyDoc_STRVAR(clear_replica_doc,
              "clear_replica(replica, /)\n--\n\n"
              "Forget every block of replica slot ``replica``, real and predicted (a replica\n"
-             "cleared or gone).  Keys left without a holder go.  One pass over each table;\n"
-             "for rare events.  Returns how many keys it really held (predictions not\n"
-             "counted).");
+             "cleared or gone).  Keys left without a holder go; tables left at most 1/8 full\n"
+             "shrink.  One pass over each table: for rare events.  Returns how many keys it\n"
+             "really held (predictions not counted).");
 
 static PyObject *
 BlockTable_clear_replica(BlockTable *t, PyObject *arg)
@@ -839,6 +931,8 @@ BlockTable_clear_replica(BlockTable *t, PyObject *arg)
         erase(PREDICTED, p, find(PREDICTED, p, guessed[i], tag));
     for (size_t i = 0; i < n_held; i++)
         drop_holder(h, held[i], replica);
+    shrink(PREDICTED, p);
+    shrink(HOLDERS, h);
     result = PyLong_FromSize_t(n_held - n_guessed);
 done:
     PyMem_Free(held);

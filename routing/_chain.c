@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_buffers.h"
+
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
@@ -24,8 +26,8 @@ PyDoc_STRVAR(chain_keys_doc,
              "chain_keys(tokens, block_size, seed, tail, /)\n--\n\n"
              "The chained keys of the blocks of ``tokens``, as ``bytes`` of native-order uint64:\n"
              "``k_i = xxh3_64(block_i + tail, seed=k_{i-1})`` and ``k_{-1} = seed``; ``block_i``\n"
-             "is bytes ``[4 * block_size * i, 4 * block_size * (i + 1))`` of ``tokens`` (any\n"
-             "buffer: uint32-LE token ids), ``tail`` a bytes-like object (``b\"\"`` for none).\n\n"
+             "is bytes ``[4 * block_size * i, 4 * block_size * (i + 1))`` of ``tokens`` (uint32-LE\n"
+             "token ids: bytes or an ``array('I')``), ``tail`` bytes (``b\"\"`` for none).\n\n"
              "Raises ValueError when ``block_size`` is not positive or the buffer is not a\n"
              "whole number of blocks; OverflowError when ``seed`` is not in [0, 2**64).");
 
@@ -40,7 +42,7 @@ chain_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (block_size == -1 && PyErr_Occurred())
         return NULL;
     if (block_size <= 0 || block_size > PY_SSIZE_T_MAX / 4) {
-        PyErr_Format(PyExc_ValueError, "block_size must be positive, got %zd", block_size);
+        PyErr_Format(PyExc_ValueError, "block_size must be in [1, %zd], got %zd", PY_SSIZE_T_MAX / 4, block_size);
         return NULL;
     }
     if (!PyLong_Check(args[2])) {
@@ -51,9 +53,9 @@ chain_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (seed == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
     Py_buffer view, tail;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+    if (uint_buffer(args[0], &view, 4, "tokens") < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[3], &tail, PyBUF_SIMPLE) < 0) {
+    if (uint_buffer(args[3], &tail, 1, "tail") < 0) {
         PyBuffer_Release(&view);
         return NULL;
     }

@@ -55,13 +55,15 @@ thread / event loop (the live router takes a lock around every call).
 from __future__ import annotations
 
 import heapq
+import math
 import secrets
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 
 from routing import defaults
 from routing._blocktable import MAX_REPLICAS, BlockTable
-from routing.key_events import AllKeysCleared, KeyEvent, KeysRemoved, KeysStored
+from routing.key_events import AllKeysCleared, KeyEvent, KeysRemoved, KeysStored, keys_from_bytes
 
 __all__ = ["MAX_REPLICAS", "BlockIndex", "IndexStats"]
 
@@ -98,6 +100,13 @@ class IndexStats:
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict (for metrics export)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _native(keys: bytes | Sequence[int]) -> bytes | Sequence[int]:
+    """Wire keys (uint64 little-endian bytes) in the host's order, as the C table reads buffers."""
+    if sys.byteorder == "big" and isinstance(keys, (bytes, bytearray, memoryview)):  # pragma: no cover
+        return keys_from_bytes(bytes(keys))
+    return keys
 
 
 class _Replica:
@@ -227,18 +236,11 @@ class BlockIndex:
         return True
 
     def _store(self, rs: _Replica, keys: bytes | Sequence[int]) -> None:
-        room = self.max_blocks - self._entries
-        packed = isinstance(keys, (bytes, bytearray, memoryview))
-        if isinstance(keys, memoryview):
-            keys = keys.cast("B")  # count bytes, whatever the view's item size
-        n = len(keys) // 8 if packed else len(keys)
-        if n > room:
-            self.stats.over_capacity_keys += n - max(room, 0)
-            if room <= 0:
-                return
-            keys = keys[: room * 8] if packed else keys[:room]
-        # In C: the replica's bit set in each new key's mask, predictions confirmed.
-        new, confirmed, duplicates = self._holders.add(keys, rs.slot)
+        # In C: the replica's bit set in each new key's mask, predictions confirmed, and the
+        # keys that would add an entry past max_blocks refused (duplicates do not count).
+        room = max(self.max_blocks - self._entries, 0)
+        new, confirmed, duplicates, refused = self._holders.add(_native(keys), rs.slot, room)
+        self.stats.over_capacity_keys += refused
         added = new + confirmed
         rs.blocks += added
         self._entries += added
@@ -247,7 +249,7 @@ class BlockIndex:
         self.stats.duplicate_keys += duplicates
 
     def _remove(self, rs: _Replica, keys: bytes | Sequence[int]) -> None:
-        removed, unknown = self._holders.remove(keys, rs.slot)
+        removed, unknown = self._holders.remove(_native(keys), rs.slot)
         rs.blocks -= removed
         self._entries -= removed
         self.stats.keys_removed += removed
@@ -264,7 +266,13 @@ class BlockIndex:
 
         Returns:
             The number of blocks newly predicted.
+
+        Raises:
+            ValueError: ``now`` is not finite, or ``ttl_s`` is not finite and >= 0
+                (a NaN expiry would stick at the top of the expiry heap).
         """
+        if not (math.isfinite(now) and math.isfinite(ttl_s) and ttl_s >= 0):
+            raise ValueError(f"predict needs a finite now and ttl_s >= 0, got now={now!r}, ttl_s={ttl_s!r}")
         self.expire(now)
         rs = self._replicas.get(replica_id)
         if rs is None:

@@ -262,6 +262,29 @@ def test_replicas_past_the_mask_width_are_refused_and_counted_and_slots_are_recy
     assert idx.match(KEYS, (ids[-1], "extra", "r5"), 0.0) == {ids[-1]: 3, "extra": 2, "r5": 0}
 
 
+def test_a_nan_or_negative_ttl_is_refused_and_expiry_goes_on() -> None:
+    """A NaN expiry would stick at the top of the expiry heap and stop every later expiry."""
+    idx = BlockIndex()
+    idx.add_replica("r0")
+    for now, ttl in ((float("nan"), 1.0), (0.0, float("nan")), (0.0, -1.0), (float("inf"), 1.0), (0.0, float("inf"))):
+        with pytest.raises(ValueError):
+            idx.predict("r0", KEYS[:2], now=now, ttl_s=ttl)
+    assert idx.predict("r0", KEYS[:2], now=0.0, ttl_s=1.0) == 2
+    assert idx.match(KEYS, ("r0",), 0.5) == {"r0": 2}
+    assert idx.match(KEYS, ("r0",), 2.0) == {"r0": 0} and idx.stats.predictions_expired == 2
+
+
+def test_the_cap_counts_entries_not_keys_sent() -> None:
+    """A batch that repeats keys the replica holds fits where its length would not."""
+    idx = BlockIndex(max_blocks=3)
+    idx.add_replica("r0")
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(KEYS[:2]))])
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(KEYS[:3]))])  # 2 duplicates and 1 new: room for it
+    assert idx.num_replica_blocks == 3 and idx.stats.over_capacity_keys == 0 and idx.stats.duplicate_keys == 2
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(KEYS[:5]))])
+    assert idx.num_replica_blocks == 3 and idx.stats.over_capacity_keys == 2
+
+
 def test_snapshot_replaces_what_the_replica_holds_and_keeps_others() -> None:
     idx = BlockIndex()
     for rid in R:
