@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install model serve test test-unit test-engine test-asan lint bench soak ab sim clean system-deps build-deps
+.PHONY: install model serve drain test test-unit test-engine test-asan lint bench soak ab sim clean system-deps build-deps
 
 install: build-deps $(STAMP)
 
@@ -50,6 +50,11 @@ $(LORA_DIR)/adapter_model.safetensors: $(MODEL_DIR)/model.safetensors
 
 serve: install model
 	$(VENV)/bin/serve run serve_config.yaml
+
+# Beside a running `make serve`: delete the app once its replicas have drained their requests
+# (Ctrl-C alone cuts streams in flight; see infra/drain.py).
+drain: install
+	$(PY) -m infra.drain
 
 # The observability tests scrape the app with the real Prometheus server (Debian package).
 system-deps:

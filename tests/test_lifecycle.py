@@ -1,8 +1,9 @@
-"""The ingress under a large body, a queued stream, a redeploy and a request past its deadline.
+"""The ingress under a large body, a queued stream, a redeploy, a request past its deadline and a drain.
 
 One Serve app for the module (1 real vLLM CPU engine replica taking 2 requests
 at a time, 1 ingress replica, keep-alive comments every second); the redeploy
-case runs last but one, and the deadline case after it, on the redeployed app.
+case runs last but two, the deadline case after it on the redeployed app, and the
+drain case last: it deletes the app.
 """
 
 from __future__ import annotations
@@ -213,3 +214,45 @@ def test_a_stream_past_the_request_timeout_ends_with_504_and_counts_as_504(app):
     assert after.get(key, 0) - before.get(key, 0) == 2, (before, after)
     ok = ("/v1/completions", "200")
     assert after.get(ok, 0) == before.get(ok, 0)
+
+
+def test_make_drain_lets_a_stream_finish_then_the_app_is_gone(app):
+    """Last: ``infra.drain.drain`` (what ``make drain`` runs) deletes the app while a
+    stream runs; the proxy stays up and the replicas drain (request timeout 6 s
+    since the redeploy), so the stream ends with all its tokens and ``[DONE]``;
+    then the app answers Serve's 404 and a second drain finds no app."""
+    from infra.drain import drain
+
+    tokens = 250  # ~2 s at the tiny model's ~130 tokens/s: inside the request timeout (6 s) and the drain
+    body = {"model": app.model, "prompt": "drain", "max_tokens": tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    state: dict = {"chunks": 0}
+
+    def run() -> None:
+        try:
+            with httpx.stream("POST", f"{app.base_url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        state["chunks"] += 1
+                        state["usage"] = json.loads(line[6:]).get("usage") or state.get("usage")
+                    elif line == "data: [DONE]":
+                        state["done"] = True
+        except httpx.HTTPError as e:
+            state["error"] = repr(e)
+
+    stream = threading.Thread(target=run)
+    stream.start()
+    deadline = time.monotonic() + 60
+    while state["chunks"] < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state["chunks"] >= 5, state
+    drain(app.name)
+    stream.join(timeout=60)
+    assert not stream.is_alive()
+    assert "error" not in state and state.get("done"), state
+    assert state["usage"]["completion_tokens"] == tokens
+    r = httpx.post(f"{app.base_url}/v1/completions", json={"model": app.model, "prompt": "after", "max_tokens": 2},
+                   timeout=30)
+    assert r.status_code == 404, r.text
+    with pytest.raises(LookupError, match=app.name):
+        drain(app.name)
