@@ -25,6 +25,10 @@ class HandleClient:
 
     def __init__(self, app_name: str = PREFIX_SERVE_APP):
         self.app_name = app_name
+        # The handle returns vLLM's response models: the first one a process receives
+        # imports vLLM to unpickle it (about 7 s on a 2-core machine). Importing the
+        # protocol modules here moves that cost to the deploy, out of the first call.
+        import vllm.entrypoints.openai.chat_completion.protocol  # noqa: F401
 
     async def ask(self, prompt: str, max_tokens: int = 8, model: str = "tiny-qwen2") -> dict[str, Any]:
         """Return the unary answer (text, usage) and the streamed pieces of the same prompt."""
