@@ -995,6 +995,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     core, why = load_dynamo()
     print(f"Dynamo: {'ai-dynamo-runtime ' + _dynamo_version() if core else 'not measured: ' + why}", flush=True)
+    where = machine()
+    print(f"machine: {where['cpu']}, {where['cpus']} CPUs, {where['platform']}", flush=True)
     calibration_before = python_loop_ns()
     print(f"python loop: {calibration_before} ns per loop iteration (calibration)", flush=True)
     by_block_size: dict[str, dict] = {}
@@ -1133,6 +1135,7 @@ def main(argv: list[str] | None = None) -> dict:
         "targets": targets,
         "targets_met": targets_met,
         "python": sys.version.split()[0],
+        "machine": where,
         "python_loop_ns": {"before": calibration_before, "after": calibration_after},
         "wall_s": round(time.perf_counter() - started, 1),
     }
@@ -1147,6 +1150,22 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"wrote {out} and {out.with_suffix('.png')}")
     print(f"python loop after: {calibration_after} ns per iteration; whole run {result['wall_s']:.0f} s")
     return result
+
+
+def machine() -> dict[str, Any]:
+    """The CPU this run had (``/proc/cpuinfo``'s first ``model name``, else
+    ``platform.processor()``), its core count and OS: ratios to Dynamo's ingest have
+    differed by 3x between two 2-core machines while ours did not, so runs say where
+    they ran."""
+    import platform
+
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpus": os.cpu_count(), "platform": platform.platform()}
 
 
 def _dynamo_version() -> str:
