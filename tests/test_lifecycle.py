@@ -144,12 +144,12 @@ def test_a_queued_stream_gets_headers_and_keepalives_until_its_first_token(app):
         t.join()
 
 
-def test_a_redeploy_lets_a_30_s_stream_finish(app):
-    """Redeploying the app (new args: both deployments get new replicas) while a
-    stream runs: the old ingress and engine drain as long as the config's request
-    timeout, so the stream ends with all its tokens."""
-    tokens = 3900  # ~30 s or more at the tiny model's ~130 tokens/s, slower while new replicas start
-    body = {"model": app.model, "prompt": "long", "max_tokens": tokens, "ignore_eos": True, "stream": True,
+def _stream_in_background(app, prompt: str, tokens: int) -> tuple[threading.Thread, dict]:
+    """Start a streamed completion of exactly ``tokens`` tokens (``ignore_eos``) on a
+    thread; return it once 5 chunks have arrived, with its state: ``chunks``, the
+    last ``error`` event or transport error, ``usage``, ``done`` (``[DONE]`` seen)
+    and ``seconds`` (set when the stream ends)."""
+    body = {"model": app.model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     state: dict = {"chunks": 0}
 
@@ -173,8 +173,17 @@ def test_a_redeploy_lets_a_30_s_stream_finish(app):
     stream.start()
     deadline = time.monotonic() + 60
     while state["chunks"] < 5 and time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.05)
     assert state["chunks"] >= 5, state
+    return stream, state
+
+
+def test_a_redeploy_lets_a_30_s_stream_finish(app):
+    """Redeploying the app (new args: both deployments get new replicas) while a
+    stream runs: the old ingress and engine drain as long as the config's request
+    timeout, so the stream ends with all its tokens."""
+    tokens = 3900  # ~30 s or more at the tiny model's ~130 tokens/s, slower while new replicas start
+    stream, state = _stream_in_background(app, "long", tokens)
     entry = copy.deepcopy(app.entry)
     entry["args"]["lifecycle"]["request_timeout_s"] = SHORT_TIMEOUT_S  # what editing the YAML and redeploying does
     deploy(entry)
@@ -224,32 +233,11 @@ def test_make_drain_lets_a_stream_finish_then_the_app_is_gone(app):
     from infra.drain import drain
 
     tokens = 250  # ~2 s at the tiny model's ~130 tokens/s: inside the request timeout (6 s) and the drain
-    body = {"model": app.model, "prompt": "drain", "max_tokens": tokens, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    state: dict = {"chunks": 0}
-
-    def run() -> None:
-        try:
-            with httpx.stream("POST", f"{app.base_url}/v1/completions", json=body, timeout=120) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        state["chunks"] += 1
-                        state["usage"] = json.loads(line[6:]).get("usage") or state.get("usage")
-                    elif line == "data: [DONE]":
-                        state["done"] = True
-        except httpx.HTTPError as e:
-            state["error"] = repr(e)
-
-    stream = threading.Thread(target=run)
-    stream.start()
-    deadline = time.monotonic() + 60
-    while state["chunks"] < 5 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert state["chunks"] >= 5, state
+    stream, state = _stream_in_background(app, "drain", tokens)
     drain(app.name)
     stream.join(timeout=60)
     assert not stream.is_alive()
-    assert "error" not in state and state.get("done"), state
+    assert state.get("done") and state.get("error") is None, state
     assert state["usage"]["completion_tokens"] == tokens
     r = httpx.post(f"{app.base_url}/v1/completions", json={"model": app.model, "prompt": "after", "max_tokens": 2},
                    timeout=30)
