@@ -96,7 +96,7 @@ test-asan: install
 
 # Static checks (configured in pyproject.toml): ruff on all Python code, mypy on app, routing, bench.
 lint: install
-	$(PY) -m ruff check app routing bench tests locustfiles infra
+	$(PY) -m ruff check app routing bench tests locustfiles infra examples
 	$(PY) -m mypy
 
 bench: install

@@ -12,6 +12,7 @@ itself. The handle's methods take the OpenAI request body (a dict, or vLLM's
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 from ray import serve
@@ -52,15 +53,27 @@ class HandleClient:
         }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m examples.handle_client", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--app", default=PREFIX_SERVE_APP,
+                        help="prefix-serve's Serve application name (default: %(default)s)")
+    parser.add_argument("--address", default="auto",
+                        help="Ray cluster to join (default: %(default)s: RAY_ADDRESS, else the one on this machine)")
+    parser.add_argument("--prompt", default="Say hello to the cluster.", help="user message (default: %(default)r)")
+    parser.add_argument("--max-tokens", type=int, default=8, help="tokens to generate (default: %(default)s)")
+    parser.add_argument("--model", default="tiny-qwen2", help="model name (default: %(default)s)")
+    args = parser.parse_args(argv)
+
     import ray
 
-    ray.init(address="auto")
-    handle = serve.run(HandleClient.bind(), name="handle-client", route_prefix=None)
-    result = handle.ask.remote("Say hello to the cluster.").result()
+    ray.init(address=args.address)  # join the running cluster; a bare ray.init() would start an empty one
+    handle = serve.run(HandleClient.bind(args.app), name="handle-client", route_prefix=None)
+    try:
+        result = handle.ask.remote(args.prompt, args.max_tokens, args.model).result()
+    finally:
+        serve.delete("handle-client")
     print("unary :", repr(result["unary_text"]), result["unary_usage"])
     print("stream:", result["stream_pieces"], result["stream_usage"])
-    serve.delete("handle-client")
 
 
 if __name__ == "__main__":

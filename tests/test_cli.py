@@ -1,10 +1,11 @@
-"""``make serve``'s port check, without Ray or engines.
+"""Command-line entry points the README sends a user to, without Ray or engines.
 
 ``make serve``'s port check (``infra/preflight.py``) on real sockets and real
 processes: a free port runs the command, a port something listens on is refused
 naming the port, a second run while the first one's command holds the lock is
 refused naming the first's pid, and the lock goes with that command. The same
 check against a running Serve app is in ``tests/test_serve_single_replica.py``.
+``python -m examples.handle_client --help`` prints its options and exits.
 """
 
 from __future__ import annotations
@@ -98,3 +99,13 @@ def test_a_second_run_is_refused_while_the_first_command_holds_the_lock(tmp_path
         first.wait(timeout=30)
     again = _preflight(config)
     assert again.returncode == 0, again.stderr
+
+
+def test_the_handle_example_prints_help_without_starting_ray():
+    shown = subprocess.run([sys.executable, "-m", "examples.handle_client", "--help"], cwd=REPO,
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("usage: python -m examples.handle_client")
+    for option in ("--app", "--address", "--prompt", "--max-tokens", "--model"):
+        assert option in shown.stdout
+    assert "Ray instance" not in shown.stdout + shown.stderr  # neither started nor joined

@@ -4,15 +4,18 @@ One Serve app for the whole module (engine start is the slow part). Expected
 values are computed here from first principles: a prefix-cache hit covers the
 full ``block_size`` blocks a prompt shares with an earlier one, and vLLM never
 serves the last prompt token from cache (it must compute at least one token).
-A second ``make serve`` on the port the app serves is refused.
+The README's front-door steps run against it too: its Python-handle script, and a
+second ``make serve`` on the port the app serves.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
+import sys
 
 import httpx
 import pytest
@@ -259,6 +262,37 @@ def test_python_handle_from_a_second_serve_app(app):
     assert result["stream_usage"]["completion_tokens"] == result["unary_usage"]["completion_tokens"]
     # Greedy decoding: the streamed pieces spell the unary answer.
     assert "".join(result["stream_pieces"]) == result["unary_text"]
+
+
+def _readme_handle_script() -> str:
+    """The README's Python-handle script: its ``python`` block that calls ``serve.get_app_handle``."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(encoding="utf-8"), flags=re.S)
+    [script] = [b for b in blocks if "serve.get_app_handle" in b]
+    return script
+
+
+def test_the_readme_handle_script_runs_on_its_own(app, tokenizer, tmp_path):
+    """The README's handle script, saved and run with the venv's Python as a user would,
+    joins the running cluster and prints the usage of a unary answer and of a stream's
+    last chunk (the chat template's prompt tokens, counted here), then the 400 its bad call gets."""
+    import ray
+
+    script = tmp_path / "handle_script.py"
+    script.write_text(_readme_handle_script(), encoding="utf-8")
+    # ray.init(address="auto") would join any cluster on this machine: point it at this test's.
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    messages = [{"role": "user", "content": "Hi"}]
+    prompt = len(tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                                  add_special_tokens=False))
+    usages = [tuple(map(int, u)) for u in
+              re.findall(r"prompt_tokens=(\d+) total_tokens=(\d+) completion_tokens=(\d+)", run.stdout)]
+    assert len(usages) == 2, run.stdout  # the unary answer's, then the stream's usage chunk
+    for prompt_tokens, total, completion in usages:
+        assert prompt_tokens == prompt and 1 <= completion <= 8 and total == prompt + completion
+    assert re.search(r"^400 BadRequestError max_tokens \S", run.stdout, flags=re.M), run.stdout
 
 
 def test_a_second_make_serve_is_refused_naming_the_port_and_the_app_keeps_serving(app, tmp_path):
