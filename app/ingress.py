@@ -118,8 +118,16 @@ async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
 
 
 @fastapi_app.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors in OpenAI's shape: a path no route has (404) and a method its
+    route does not take (405, with the route's ``Allow`` header), each naming method and path."""
+    message = str(exc.detail)
+    allow = (exc.headers or {}).get("Allow")
+    if exc.status_code == 404 and message == "Not Found":
+        message = f"Not Found: no route {request.method} {request.url.path} (GET /openapi.json lists them)"
+    elif exc.status_code == 405 and allow:
+        message = f"Method Not Allowed: {request.url.path} takes {allow}, not {request.method}"
+    return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers)
 
 
 @fastapi_app.exception_handler(Exception)

@@ -5,8 +5,10 @@ running Ray cluster and deletes the Serve application (``prefix-serve`` by defau
 with Ray's ``serve.delete``. Serve's HTTP proxy stays up while each replica of the
 app finishes the requests it holds, streams included, for at most its
 ``graceful_shutdown_timeout_s`` (derived from ``lifecycle.request_timeout_s`` by
-``app.builder``); new requests meanwhile get Serve's 404. It returns once the
-replicas are gone. Then Ctrl-C in the ``make serve`` terminal stops Ray.
+``app.builder``). From the start, the proxy answers new requests itself, with Serve's
+plain-text 404 (``Path '/v1/models' not found. ...``), not OpenAI's JSON: the app no
+longer exists to answer them. It returns once the replicas are gone. Then Ctrl-C in
+the ``make serve`` terminal stops Ray.
 
 Ctrl-C alone does not drain: ``serve run`` answers it with Ray's ``serve.shutdown()``,
 which kills the HTTP proxies at once, so streams in flight end without ``[DONE]``

@@ -13,6 +13,7 @@ import json
 import statistics
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -228,19 +229,30 @@ def test_a_stream_past_the_request_timeout_ends_with_504_and_counts_as_504(app):
 def test_make_drain_lets_a_stream_finish_then_the_app_is_gone(app):
     """Last: ``infra.drain.drain`` (what ``make drain`` runs) deletes the app while a
     stream runs; the proxy stays up and the replicas drain (request timeout 6 s
-    since the redeploy), so the stream ends with all its tokens and ``[DONE]``;
-    then the app answers Serve's 404 and a second drain finds no app."""
+    since the redeploy), so the stream ends with all its tokens and ``[DONE]``.
+    From the drain on, Serve's proxy answers new requests itself with its plain-text
+    404, not OpenAI's JSON (as the README says); a second drain finds no app."""
     from infra.drain import drain
 
     tokens = 250  # ~2 s at the tiny model's ~130 tokens/s: inside the request timeout (6 s) and the drain
     stream, state = _stream_in_background(app, "drain", tokens)
-    drain(app.name)
+    with ThreadPoolExecutor(1) as pool:
+        draining = pool.submit(drain, app.name)
+        deadline = time.monotonic() + 30
+        while (r := httpx.get(f"{app.base_url}/v1/models", timeout=30)).status_code == 200:
+            assert time.monotonic() < deadline, "the app still answers 30 s into the drain"
+            time.sleep(0.1)
+        still_draining = not draining.done()
+        draining.result(timeout=300)
+    assert r.status_code == 404 and still_draining, (r.status_code, still_draining)
+    assert r.headers["content-type"].startswith("text/plain"), r.headers
+    assert r.text.startswith("Path '/v1/models' not found."), r.text
     stream.join(timeout=60)
     assert not stream.is_alive()
     assert state.get("done") and state.get("error") is None, state
     assert state["usage"]["completion_tokens"] == tokens
     r = httpx.post(f"{app.base_url}/v1/completions", json={"model": app.model, "prompt": "after", "max_tokens": 2},
                    timeout=30)
-    assert r.status_code == 404, r.text
+    assert r.status_code == 404 and r.text.startswith("Path '/v1/completions' not found."), r.text
     with pytest.raises(LookupError, match=app.name):
         drain(app.name)

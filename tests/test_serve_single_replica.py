@@ -329,6 +329,41 @@ def test_a_second_make_serve_is_refused_naming_the_port_and_the_app_keeps_servin
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
 
 
+@pytest.mark.parametrize("method, path, status, allow", [
+    ("GET", "/nope", 404, None),
+    ("POST", "/v1/chat", 404, None),
+    ("GET", "/v1/models/tiny-qwen2", 404, None),
+    ("POST", "/v1/models", 405, "GET"),
+    ("GET", "/v1/chat/completions", 405, "POST"),
+    ("PUT", "/tokenize", 405, "POST"),
+    ("DELETE", "/health", 405, "GET"),
+])
+def test_unknown_paths_and_wrong_methods_get_openai_errors(app, method, path, status, allow):
+    """Paths no route has and methods a route does not take: OpenAI's error JSON, naming
+    method and path; a 405 carries the route's ``Allow``."""
+    r = httpx.request(method, f"{app.base_url}{path}", timeout=30)
+    assert r.status_code == status
+    assert r.headers["content-type"] == "application/json"
+    if status == 404:
+        expected = {"message": f"Not Found: no route {method} {path} (GET /openapi.json lists them)",
+                    "type": "NotFoundError", "param": None, "code": 404}
+    else:
+        expected = {"message": f"Method Not Allowed: {path} takes {allow}, not {method}",
+                    "type": "BadRequestError", "param": None, "code": 405}
+        assert r.headers["allow"] == allow
+    assert r.json() == {"error": expected}
+
+
+def test_the_openai_client_reads_a_wrong_path_as_not_found(app):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as caught:
+        app.openai().post("/chat/completion", cast_to=object, body={"model": app.model})
+    assert caught.value.status_code == 404
+    assert caught.value.body["type"] == "NotFoundError"
+    assert caught.value.body["message"].startswith("Not Found: no route POST /v1/chat/completion ")
+
+
 def _ingress_log_tail(app) -> tuple[list, dict]:
     """The ingress replica's Serve log files and their current sizes."""
     import glob
