@@ -17,7 +17,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install model serve drain test test-unit test-engine test-asan lint bench soak ab sim clean system-deps build-deps
+.PHONY: install model serve drain status test test-unit test-engine test-asan lint bench soak ab sim clean system-deps build-deps
 
 install: build-deps $(STAMP)
 
@@ -60,6 +60,12 @@ serve: install model
 # (Ctrl-C alone cuts streams in flight; see infra/drain.py).
 drain: install
 	$(PY) -m infra.drain
+
+# Beside a running `make serve`: the application's and its deployments' states (`serve status`).
+# Ray starts the local cluster of `serve run` with token authentication, and its CLI sends the token
+# (~/.ray/auth_token) only with RAY_AUTH_MODE=token: without it, an AuthenticationError.
+status: install
+	RAY_AUTH_MODE=$${RAY_AUTH_MODE:-token} $(VENV)/bin/serve status
 
 # The observability tests scrape the app with the real Prometheus server (Debian package).
 system-deps:
