@@ -82,6 +82,12 @@ mask_xor(Mask a, Mask b)
     return (Mask){{a.w[0] ^ b.w[0], a.w[1] ^ b.w[1]}};
 }
 
+static inline Mask
+mask_or(Mask a, Mask b)
+{
+    return (Mask){{a.w[0] | b.w[0], a.w[1] | b.w[1]}};
+}
+
 static inline int
 mask_has(Mask m, uint32_t replica)
 {
@@ -592,6 +598,20 @@ PyDoc_STRVAR(walk_doc,
              "replicas of ``alive`` that hold ``keys[:i]`` but not ``keys[i]`` (``i ==\n"
              "len(keys)`` for those that hold every key); ``end`` is the longest match.");
 
+/* Append (i, bits) to drops; -1 with an exception set. */
+static int
+append_drop(PyObject *drops, Py_ssize_t i, Mask bits)
+{
+    PyObject *b = mask_to_int(bits);
+    PyObject *entry = b ? Py_BuildValue("(nN)", i, b) : NULL;
+    if (entry == NULL || PyList_Append(drops, entry) < 0) {
+        Py_XDECREF(entry);
+        return -1;
+    }
+    Py_DECREF(entry);
+    return 0;
+}
+
 static PyObject *
 BlockTable_walk(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -623,29 +643,95 @@ BlockTable_walk(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         Mask held = mask_and(holders, alive);
         if (mask_eq(held, alive))
             continue;
-        PyObject *bits = mask_to_int(mask_xor(alive, held));
-        PyObject *entry = bits ? Py_BuildValue("(nN)", i, bits) : NULL;
-        if (entry == NULL || PyList_Append(drops, entry) < 0) {
-            Py_XDECREF(entry);
+        if (append_drop(drops, i, mask_xor(alive, held)) < 0)
             goto done;
-        }
-        Py_DECREF(entry);
         alive = held;
         if (!mask_any(alive))
             end = i;
     }
-    if (mask_any(alive)) {
-        PyObject *bits = mask_to_int(alive);
-        PyObject *entry = bits ? Py_BuildValue("(nN)", n, bits) : NULL;
-        if (entry == NULL || PyList_Append(drops, entry) < 0) {
-            Py_XDECREF(entry);
-            goto done;
-        }
-        Py_DECREF(entry);
-    }
+    if (mask_any(alive) && append_drop(drops, n, alive) < 0)
+        goto done;
     result = Py_BuildValue("(On)", drops, end);
 done:
     Py_XDECREF(drops);
+    PyMem_Free(keys);
+    return result;
+}
+
+static PyTypeObject BlockTableType;
+
+PyDoc_STRVAR(walk_tiers_doc,
+             "walk_tiers(keys, alive, host, /)\n--\n\n"
+             "``walk`` over two KV-cache tiers: this table (GPU, blocks held really or by\n"
+             "prediction) and ``host`` (a BlockTable of the blocks held in host memory).  A\n"
+             "replica of ``alive`` follows ``keys`` on GPU while it holds every block so far\n"
+             "there; from its first GPU miss on, it follows them on the host tier while it\n"
+             "holds each next block there (vLLM's offloading connector loads the blocks that\n"
+             "follow the GPU hit from host memory).\n\n"
+             "Returns ``(drops, host_drops)``: ``drops`` as ``walk``'s (where each replica's\n"
+             "GPU run ends); ``host_drops`` lists ``(i, bits)`` in order, ``bits`` the\n"
+             "replicas whose run, GPU then host, ends at ``i`` (``len(keys)`` for those that\n"
+             "hold every key).");
+
+static PyObject *
+BlockTable_walk_tiers(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!check_nargs("walk_tiers", nargs, 3, 3))
+        return NULL;
+    if (!PyObject_TypeCheck(args[2], &BlockTableType)) {
+        PyErr_Format(PyExc_TypeError, "host must be a BlockTable, not %.100s", Py_TYPE(args[2])->tp_name);
+        return NULL;
+    }
+    Mask gpu_alive;
+    if (mask_from_int(args[1], &gpu_alive) < 0)
+        return NULL;
+    uint64_t *keys;
+    Py_ssize_t n;
+    if (keys_arg(args[0], &keys, &n) < 0)
+        return NULL;
+    PyObject *drops = PyList_New(0), *host_drops = PyList_New(0), *result = NULL;
+    if (drops == NULL || host_drops == NULL)
+        goto done;
+    const Table *g = &t->holders, *h = &((BlockTable *)args[2])->holders;
+    for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) {
+        PREFETCH(&g->slots[home(g, keys[i], 0)]);
+        PREFETCH(&h->slots[home(h, keys[i], 0)]);
+    }
+    Mask host_alive = {{0, 0}};
+    Mask last_gpu = {{0, 0}}, last_host = {{0, 0}}; /* a block with both masks as the last one's changes nothing */
+    Py_ssize_t i = 0;
+    for (; i < n && (mask_any(gpu_alive) || mask_any(host_alive)); i++) {
+        if (i + PREFETCH_AHEAD < n) {
+            PREFETCH(&g->slots[home(g, keys[i + PREFETCH_AHEAD], 0)]);
+            PREFETCH(&h->slots[home(h, keys[i + PREFETCH_AHEAD], 0)]);
+        }
+        Mask on_gpu = g->slots[find(HOLDERS, g, keys[i], 0)].v.holders; /* all zero when the slot is empty */
+        Mask on_host = h->slots[find(HOLDERS, h, keys[i], 0)].v.holders;
+        if (i > 0 && mask_eq(on_gpu, last_gpu) && mask_eq(on_host, last_host))
+            continue;
+        last_gpu = on_gpu;
+        last_host = on_host;
+        Mask stay_gpu = mask_and(gpu_alive, on_gpu);
+        Mask left_gpu = mask_xor(gpu_alive, stay_gpu);
+        if (mask_any(left_gpu) && append_drop(drops, i, left_gpu) < 0)
+            goto done;
+        Mask on_tier2 = mask_or(host_alive, left_gpu); /* replicas that go on from host memory */
+        Mask stay_host = mask_and(on_tier2, on_host);
+        Mask left = mask_xor(on_tier2, stay_host);
+        if (mask_any(left) && append_drop(host_drops, i, left) < 0)
+            goto done;
+        gpu_alive = stay_gpu;
+        host_alive = stay_host;
+    }
+    if (mask_any(gpu_alive) && append_drop(drops, n, gpu_alive) < 0)
+        goto done;
+    Mask to_end = mask_or(gpu_alive, host_alive);
+    if (mask_any(to_end) && append_drop(host_drops, n, to_end) < 0)
+        goto done;
+    result = PyTuple_Pack(2, drops, host_drops);
+done:
+    Py_XDECREF(drops);
+    Py_XDECREF(host_drops);
     PyMem_Free(keys);
     return result;
 }
@@ -945,6 +1031,7 @@ static PyMethodDef BlockTable_methods[] = {
     {"until", (PyCFunction)(void (*)(void))BlockTable_until, METH_FASTCALL, until_doc},
     {"memory_bytes", (PyCFunction)BlockTable_memory_bytes, METH_NOARGS, memory_bytes_doc},
     {"walk", (PyCFunction)(void (*)(void))BlockTable_walk, METH_FASTCALL, walk_doc},
+    {"walk_tiers", (PyCFunction)(void (*)(void))BlockTable_walk_tiers, METH_FASTCALL, walk_tiers_doc},
     {"add", (PyCFunction)(void (*)(void))BlockTable_add, METH_FASTCALL, add_doc},
     {"remove", (PyCFunction)(void (*)(void))BlockTable_remove, METH_FASTCALL, remove_doc},
     {"predict", (PyCFunction)(void (*)(void))BlockTable_predict, METH_FASTCALL, predict_doc},

@@ -5,13 +5,17 @@ in-flight accounting and event-staleness bookkeeping. The live Serve router
 (``app/router.py``) and the simulator (``bench/sim``) both call it, so the
 simulator measures the code that serves traffic. For each request:
 
-1. ``choose``: ``BlockIndex.match`` of the prompt's block keys for every
-   candidate; one ``ReplicaView`` per candidate (matched blocks, zeroed when the
-   replica's events are stalled; in-flight requests and their uncached prompt
-   tokens from this router's own accounting; the engine's ``num_running`` /
-   ``num_waiting`` / ``kv_cache_usage`` from its routing stats;
-   ``max_ongoing_requests``; its free blocks, ``num_gpu_blocks`` from its stats
-   less the blocks the index says it holds); ``routing.policy.choose_replica``.
+1. ``choose``: ``BlockIndex.match_tiers`` of the prompt's block keys for every
+   candidate; one ``ReplicaView`` per candidate (matched GPU blocks and the
+   host-memory blocks that would follow them, ``routing.tiers.host_hit_blocks``
+   in whole offloaded chunks, both zeroed when the replica's events are stalled;
+   in-flight requests and their uncached prompt tokens from this router's own
+   accounting; the engine's ``num_running`` / ``num_waiting`` /
+   ``kv_cache_usage`` from its routing stats; ``max_ongoing_requests``; its free
+   blocks, ``num_gpu_blocks`` from its stats less the blocks the index says it
+   holds; the price of a host-loaded token, the engine's ``kv_bytes_per_token``
+   over the host link's bandwidth, when it reports a host tier
+   (``num_host_blocks``)); ``routing.policy.choose_replica``.
 2. ``routed``: once the request is sent (possibly to a fallback replica): the
    blind window (``BlockIndex.predict`` of its blocks on that replica, held
    for ``queued_predicted_ttl_s`` while the request waits for its prefill),
@@ -47,6 +51,7 @@ from routing import defaults
 from routing.index import BlockIndex
 from routing.policy import Decision, PolicyConfig, ReplicaView, RoutingRequest, cached_tokens, choose_replica
 from routing.staleness import EventStaleness
+from routing.tiers import HOST_LINK_BYTES_PER_S, host_hit_blocks
 
 __all__ = ["AffinityRouter", "Candidate", "Routed", "with_adapter"]
 
@@ -61,7 +66,9 @@ class Candidate:
     Attributes:
         replica_id: the replica's id.
         routing_stats: its last reported stats (``num_running``, ``num_waiting``,
-            ``kv_cache_usage``), or None before the first report.
+            ``kv_cache_usage``, ``num_gpu_blocks``; with a host tier
+            ``num_host_blocks``, ``kv_bytes_per_token`` and
+            ``host_blocks_per_chunk``), or None before the first report.
         max_ongoing_requests: the per-replica concurrency cap, or None.
     """
 
@@ -84,12 +91,14 @@ def with_adapter(candidates: Sequence[Candidate], lora_name: str | None,
 
 @dataclass(frozen=True, slots=True)
 class Routed:
-    """What ``routed`` recorded: the replica, why, and the cached tokens it predicted."""
+    """What ``routed`` recorded: the replica, why, and the cached tokens it predicted
+    (``predicted_host_tokens`` of them loaded from host memory)."""
 
     replica_id: str
     reason: str
     predicted_cached_tokens: int
     prompt_tokens: int
+    predicted_host_tokens: int = 0
 
 
 class AffinityRouter:
@@ -111,13 +120,22 @@ class AffinityRouter:
             prefill is done).  False keeps them until ``completed``: a replica
             decoding long answers then looks as if it still had all their
             prompts to prefill (kept only for the simulator's ablation).
+        host_link_bytes_per_s: bandwidth of the copy from an engine's host tier
+            to its GPU, bytes/s (``routing.tiers.HOST_LINK_BYTES_PER_S``).
+
+    Raises:
+        ValueError: ``host_link_bytes_per_s`` not positive.
     """
 
     def __init__(self, index: BlockIndex, *, load_factor: float = defaults.LOAD_FACTOR,
                  predicted_ttl_s: float = defaults.PREDICTED_TTL_S,
                  queued_predicted_ttl_s: float = defaults.QUEUED_PREDICTED_TTL_S,
                  stale_events_s: float = defaults.STALE_EVENTS_S, rng: random.Random | None = None,
-                 policy: PolicyConfig | None = None, release_prefill_at_first_token: bool = True) -> None:
+                 policy: PolicyConfig | None = None, release_prefill_at_first_token: bool = True,
+                 host_link_bytes_per_s: float = HOST_LINK_BYTES_PER_S) -> None:
+        if not host_link_bytes_per_s > 0:
+            raise ValueError(f"host_link_bytes_per_s must be positive, got {host_link_bytes_per_s}")
+        self.host_link_bytes_per_s = float(host_link_bytes_per_s)
         self.policy = replace(policy or PolicyConfig(), load_epsilon=load_factor - 1.0)
         self.release_prefill_at_first_token = release_prefill_at_first_token
         self.index = index
@@ -139,7 +157,7 @@ class AffinityRouter:
         (same clock as ``now``), for stall detection; missing means none yet.
         """
         uids = tuple(c.replica_id for c in candidates)
-        matches = self.index.match(keys, uids, now)
+        matches = self.index.match_tiers(keys, uids, now)
         last = last_event_at or _NO_STATS
         # One ReplicaView per candidate (positional: this loop is most of a decision's Python time).
         held_blocks, inflight_of, stalled = self.index.replica_blocks, self.inflight, self.staleness.stalled
@@ -147,18 +165,24 @@ class AffinityRouter:
         for c in candidates:
             uid = c.replica_id
             stats = c.routing_stats or _NO_STATS
-            matched = matches[uid]
-            if matched and stalled(uid, now, last.get(uid)):
+            matched, host_end = matches[uid]
+            if host_end and stalled(uid, now, last.get(uid)):
                 self.stale_fallbacks += 1
-                matched = 0
+                matched = host_end = 0
             inflight = inflight_of.get(uid) or _NO_STATS
             capacity = stats.get("num_gpu_blocks")
+            host, host_price = 0, None
+            if stats.get("num_host_blocks") and stats.get("kv_bytes_per_token"):
+                host_price = float(stats["kv_bytes_per_token"]) / self.host_link_bytes_per_s
+                if host_end > matched:
+                    host = host_hit_blocks(matched, host_end, int(stats.get("host_blocks_per_chunk") or 1))
             views.append(ReplicaView(
                 uid, matched, len(inflight), sum(inflight.values()) if inflight else 0,
                 stats.get("num_running"), stats.get("num_waiting"), stats.get("kv_cache_usage"),
                 c.max_ongoing_requests,
                 # vLLM's num_gpu_blocks counts the null block, which never caches.
                 None if not capacity else int(capacity) - 1 - held_blocks(uid),
+                host, host_price,
             ))
         return choose_replica(RoutingRequest(prompt_len, block_size), views, self.policy, self.rng)
 
@@ -174,12 +198,16 @@ class AffinityRouter:
         if len(keys) > matched:  # it will compute and store new full blocks: a BlockStored is owed
             self.staleness.note_sent(replica_id, now, last_event_at)
         predicted = cached_tokens(matched, prompt_len, block_size)
+        # Host-memory tokens as the decision priced them (the GPU part may have grown since: a prediction).
+        host = 0 if decision is None else min(decision.host_tokens.get(replica_id, 0),
+                                              cached_tokens(len(keys), prompt_len, block_size) - predicted)
+        predicted += max(host, 0)
         self.inflight.setdefault(replica_id, {})[request_id] = prompt_len - predicted
         if decision is None:
             reason = "unscored"
         else:
             reason = decision.reason if replica_id == decision.replica_id else "fallthrough"
-        return Routed(replica_id, reason, predicted, prompt_len)
+        return Routed(replica_id, reason, predicted, prompt_len, max(host, 0))
 
     def first_token(self, replica_id: str, request_id: Hashable, now: float) -> None:
         """The request's first output token came back: its prefill is no longer queued work.

@@ -1,10 +1,12 @@
-"""Cluster-wide block index: which replica holds which block keys.
+"""Cluster-wide block index: which replica holds which block keys, on which tier.
 
 The index folds every replica's key events (``routing.key_events``, published
 by the KV-event relay next to each engine, ``routing.relay``) into one map from
 block key (see ``routing.block_keys``) to the set of replicas holding that
-block, and answers "how many leading blocks of this prompt does each replica
-hold?".  It hashes nothing: the relays computed the keys.
+block on GPU, and one to the set holding it in host memory (vLLM's KV
+offloading tier, ``routing.tiers``), and answers "how many leading blocks of
+this prompt does each replica hold on GPU, and how far do its host-memory
+blocks carry that?".  It hashes nothing: the relays computed the keys.
 
 Data model (each replica owns one slot, 0 to ``MAX_REPLICAS - 1`` = 127, and
 its bit in a fixed-width mask; slots are recycled by ``remove_replica``), in
@@ -19,13 +21,16 @@ misses a lookup at 10^5 keys, which made the prompt walk memory-bound):
 * ``predicted: (key, replica slot) -> until`` — the replicas' bits in
   ``holders`` that are only predicted, with their expiry (a replica's bit is
   never both real and predicted for one key).
-* per replica, only its slot and the count of keys it really holds: the
-  relay keeps the engine-side detail (engine hashes, physical copies), so a
-  (replica, block) entry costs the index one bit of a shared mask, and the
-  holders slot is shared by every replica holding the key.
+* ``host: key -> mask`` — the replicas holding the block in host memory, in a
+  second ``BlockTable`` of the same layout (no predictions: routing predicts
+  GPU blocks).  Empty, and never probed, while no replica has a host tier.
+* per replica, only its slot and the count of keys it really holds on each
+  tier: the relay keeps the engine-side detail (engine hashes, physical
+  copies), so a (replica, block, tier) entry costs the index one bit of a
+  shared mask, and a slot is shared by every replica holding the key there.
 
 Every ingest and lookup loop is in C (``BlockTable.add`` / ``remove`` /
-``walk`` / ``predict`` / ``expire``); keys arrive as the wire's uint64 bytes
+``walk`` / ``walk_tiers`` / ``predict`` / ``expire``); keys arrive as the wire's uint64 bytes
 and are never turned into Python ints.  A replica past ``MAX_REPLICAS`` is
 refused by ``add_replica`` (counted, ``stats.replicas_refused``): it is routed
 by load only.
@@ -34,9 +39,9 @@ Hygiene: a replica is known from ``add_replica`` (the router follows it) to
 ``remove_replica``; key events and predictions for any other replica are
 dropped and counted (``stats.unknown_replica_events``), so a batch still in
 flight when a replica is removed cannot bring it back.  ``max_blocks`` caps the
-(replica, key) entries: keys past it are refused and counted
+(replica, key, tier) entries: keys past it are refused and counted
 (``stats.over_capacity_keys``), never evicted at random; set it above the
-cluster's KV capacity in blocks.
+cluster's KV capacity in blocks, host tiers included.
 
 Blind window: between routing a request and the replica's ``KeysStored``
 arriving, ``predict`` records the prompt's blocks as held with a TTL; a real
@@ -64,6 +69,7 @@ from dataclasses import dataclass, fields
 from routing import defaults
 from routing._blocktable import MAX_REPLICAS, BlockTable
 from routing.key_events import AllKeysCleared, KeyEvent, KeysRemoved, KeysStored, keys_from_bytes
+from routing.tiers import Tier
 
 __all__ = ["MAX_REPLICAS", "BlockIndex", "IndexStats"]
 
@@ -73,11 +79,13 @@ class IndexStats:
     """Monotonic counters of a :class:`BlockIndex`; an entry is one (replica, key) pair."""
 
     keys_stored: int = 0
-    """Entries added by ``KeysStored`` and snapshots."""
+    """Entries added by ``KeysStored`` and snapshots (both tiers)."""
+    host_keys_stored: int = 0
+    """Of those, host-tier entries."""
     duplicate_keys: int = 0
     """Stored keys the replica already held (a relay never sends these; counted, not applied)."""
     keys_removed: int = 0
-    """Entries removed by ``KeysRemoved``."""
+    """Entries removed by ``KeysRemoved`` (both tiers)."""
     unknown_removed: int = 0
     """Removed keys the replica did not hold (or held only by prediction)."""
     replica_clears: int = 0
@@ -110,14 +118,15 @@ def _native(keys: bytes | Sequence[int]) -> bytes | Sequence[int]:
 
 
 class _Replica:
-    """A replica's bit, slot and count of keys really held."""
+    """A replica's bit, slot and count of keys really held on each tier."""
 
-    __slots__ = ("bit", "slot", "blocks")
+    __slots__ = ("bit", "slot", "blocks", "host_blocks")
 
     def __init__(self, slot: int) -> None:
         self.slot = slot
         self.bit = 1 << slot
         self.blocks = 0
+        self.host_blocks = 0
 
 
 class BlockIndex:
@@ -134,6 +143,7 @@ class BlockIndex:
         self.stats = IndexStats()
         self._entries = 0
         self._holders = BlockTable(seed=secrets.randbits(64))
+        self._host = BlockTable(seed=secrets.randbits(64))
         self._replicas: dict[str, _Replica] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -166,8 +176,9 @@ class BlockIndex:
         self._candidate_bits.clear()
         return True
 
-    def clear_replica(self, replica_id: str) -> None:
-        """Forget every block of a replica, real and predicted; the replica stays followed.
+    def clear_replica(self, replica_id: str, tier: int | None = None) -> None:
+        """Forget every block of a replica on ``tier`` (GPU: real and predicted), or on
+        every tier when None; the replica stays followed.
 
         For ``AllKeysCleared``, a snapshot about to be loaded, or an engine restart.
         """
@@ -175,9 +186,14 @@ class BlockIndex:
         if rs is None:
             return
         self.stats.replica_clears += 1
-        self._holders.clear_replica(rs.slot)  # real and predicted
-        self._entries -= rs.blocks
-        rs.blocks = 0
+        if tier is None or tier == Tier.GPU:
+            self._holders.clear_replica(rs.slot)  # real and predicted
+            self._entries -= rs.blocks
+            rs.blocks = 0
+        if (tier is None or tier == Tier.HOST) and rs.host_blocks:
+            self._host.clear_replica(rs.slot)
+            self._entries -= rs.host_blocks
+            rs.host_blocks = 0
 
     def remove_replica(self, replica_id: str) -> None:
         """Clear a replica and release its bit (the replica left the cluster).
@@ -211,17 +227,19 @@ class BlockIndex:
         for ev in events:
             kind = type(ev)
             if kind is KeysStored:
-                self._store(rs, ev.keys)  # type: ignore[union-attr]
+                self._store(rs, ev.keys, ev.tier)  # type: ignore[union-attr, arg-type]
             elif kind is KeysRemoved:
-                self._remove(rs, ev.keys)  # type: ignore[union-attr]
+                self._remove(rs, ev.keys, ev.tier)  # type: ignore[union-attr, arg-type]
             elif kind is AllKeysCleared:
-                self.clear_replica(replica_id)
+                self.clear_replica(replica_id, ev.tier)
             else:
                 raise TypeError(f"not a key event: {ev!r}")
         return True
 
-    def load_snapshot(self, replica_id: str, keys: bytes | Sequence[int]) -> bool:
-        """Replace what ``replica_id`` holds by ``keys`` (a relay snapshot; uint64 bytes or ints).
+    def load_snapshot(self, replica_id: str, keys: bytes | Sequence[int],
+                      host_keys: bytes | Sequence[int] = b"") -> bool:
+        """Replace what ``replica_id`` holds by ``keys`` on GPU and ``host_keys`` in host memory
+        (a relay snapshot; uint64 bytes or ints).
 
         Returns:
             False (nothing applied, counted) if the index does not follow the replica.
@@ -232,25 +250,36 @@ class BlockIndex:
             return False
         self.clear_replica(replica_id)
         self.stats.snapshots += 1
-        self._store(rs, keys)
+        self._store(rs, keys, Tier.GPU)
+        if len(host_keys):
+            self._store(rs, host_keys, Tier.HOST)
         return True
 
-    def _store(self, rs: _Replica, keys: bytes | Sequence[int]) -> None:
+    def _store(self, rs: _Replica, keys: bytes | Sequence[int], tier: int) -> None:
         # In C: the replica's bit set in each new key's mask, predictions confirmed, and the
         # keys that would add an entry past max_blocks refused (duplicates do not count).
         room = max(self.max_blocks - self._entries, 0)
-        new, confirmed, duplicates, refused = self._holders.add(_native(keys), rs.slot, room)
+        table = self._host if tier == Tier.HOST else self._holders
+        new, confirmed, duplicates, refused = table.add(_native(keys), rs.slot, room)
         self.stats.over_capacity_keys += refused
         added = new + confirmed
-        rs.blocks += added
+        if tier == Tier.HOST:
+            rs.host_blocks += added
+            self.stats.host_keys_stored += added
+        else:
+            rs.blocks += added
         self._entries += added
         self.stats.keys_stored += added
         self.stats.predictions_confirmed += confirmed
         self.stats.duplicate_keys += duplicates
 
-    def _remove(self, rs: _Replica, keys: bytes | Sequence[int]) -> None:
-        removed, unknown = self._holders.remove(_native(keys), rs.slot)
-        rs.blocks -= removed
+    def _remove(self, rs: _Replica, keys: bytes | Sequence[int], tier: int) -> None:
+        if tier == Tier.HOST:
+            removed, unknown = self._host.remove(_native(keys), rs.slot)
+            rs.host_blocks -= removed
+        else:
+            removed, unknown = self._holders.remove(_native(keys), rs.slot)
+            rs.blocks -= removed
         self._entries -= removed
         self.stats.keys_removed += removed
         self.stats.unknown_removed += unknown
@@ -337,6 +366,37 @@ class BlockIndex:
                 dropped ^= low
         return result
 
+    def match_tiers(self, keys: Sequence[int], replicas: Iterable[str], now: float) -> dict[str, tuple[int, int]]:
+        """Per candidate, its leading blocks of ``keys`` on GPU and where its host-memory blocks carry them.
+
+        Args: as :meth:`match`.
+
+        Returns:
+            ``{replica_id: (g, e)}`` for every candidate: ``g`` as :meth:`match`
+            (really held on GPU or predicted), ``e >= g`` the end of its run of
+            blocks ``g .. e - 1`` held in host memory (vLLM loads those after
+            the GPU hit; ``e == g``: none).  One walk over the blocks when no
+            replica holds anything in host memory (``e == g`` for all).
+        """
+        if not len(self._host):
+            return {rid: (n, n) for rid, n in self.match(keys, replicas, now).items()}
+        if self._expiry and self._expiry[0][0] <= now:
+            self.expire(now)
+        candidates = replicas if isinstance(replicas, tuple) else tuple(replicas)
+        gpu = dict.fromkeys(candidates, 0)
+        ends = dict.fromkeys(candidates, 0)
+        alive, rid_of_bit = self._candidate_bits.get(candidates) or self._bits_of(candidates)
+        if alive:
+            # One pass in C over both tiers (``BlockTable.walk_tiers``).
+            drops, host_drops = self._holders.walk_tiers(keys, alive, self._host)
+            for out, found in ((gpu, drops), (ends, host_drops)):
+                for start, dropped in found:
+                    while dropped:
+                        low = dropped & -dropped
+                        out[rid_of_bit[low]] = start
+                        dropped ^= low
+        return {rid: (gpu[rid], ends[rid]) for rid in candidates}
+
     def _bits_of(self, candidates: tuple[str, ...]) -> tuple[int, dict[int, str]]:
         """Mask of the known candidates and bit -> replica id, cached per candidate tuple."""
         alive = 0
@@ -359,18 +419,28 @@ class BlockIndex:
         return len(self._holders)
 
     @property
+    def num_host_keys(self) -> int:
+        """Distinct block keys held in host memory by some replica."""
+        return len(self._host)
+
+    @property
     def num_replica_blocks(self) -> int:
-        """(replica, key) entries really held (predictions not counted)."""
+        """(replica, key, tier) entries really held (predictions not counted)."""
         return self._entries
 
     def replica_blocks(self, replica_id: str) -> int:
-        """Keys ``replica_id`` really holds (predictions not counted); O(1)."""
+        """Keys ``replica_id`` really holds on GPU (predictions not counted); O(1)."""
         rs = self._replicas.get(replica_id)
         return rs.blocks if rs is not None else 0
 
+    def replica_host_blocks(self, replica_id: str) -> int:
+        """Keys ``replica_id`` holds in host memory; O(1)."""
+        rs = self._replicas.get(replica_id)
+        return rs.host_blocks if rs is not None else 0
+
     def memory_bytes(self) -> int:
-        """Bytes of the index's tables, O(1): the C table's two slot arrays and the pending expiries' key bytes."""
-        return self._holders.memory_bytes() + self._expiry_bytes
+        """Bytes of the index's tables, O(1): both tiers' slot arrays and the pending expiries' key bytes."""
+        return self._holders.memory_bytes() + self._host.memory_bytes() + self._expiry_bytes
 
     def bytes_per_block(self) -> float:
         """``memory_bytes()`` per (replica, key) entry; 0.0 when empty."""

@@ -15,16 +15,20 @@ Live stream, on the relay's PUB socket: ZMQ multipart ``[topic, seq, payload]``,
   when it published, ``epoch`` a random 63-bit id of this relay instance (a new
   one after the engine replica restarts: ``seq`` then starts over);
 * ``events``: arrays tagged by their first element:
-  ``["s", parent, keys]`` (``KeysStored``: ``keys`` newly held, in chain order;
-  ``parent`` the key of the block before the first of them, nil at a sequence's
-  start),
-  ``["r", keys]`` (``KeysRemoved``), ``["c"]`` (``AllKeysCleared``).
-  ``keys`` are ``bytes``: uint64 little-endian, 8 bytes a key.
+  ``["s", parent, keys, tier]`` (``KeysStored``: ``keys`` newly held on
+  ``tier``, in chain order; ``parent`` the key of the block before the first of
+  them, nil at a sequence's start),
+  ``["r", keys, tier]`` (``KeysRemoved``: no longer held on ``tier``),
+  ``["c", tier]`` (``AllKeysCleared``: nothing held on ``tier``; nil: on any tier).
+  ``keys`` are ``bytes``: uint64 little-endian, 8 bytes a key.  ``tier`` is a
+  ``routing.tiers.Tier`` code (0 GPU, 1 host memory); a message without it (a
+  relay from before the host tier) means GPU, and ``["c"]`` every tier.
 
 Snapshot, on the relay's ROUTER socket: a DEALER sends ``[b"snapshot"]``; the
 answer is ``[payload]``, a msgpack ``KeySnapshot`` ``[epoch, seq, keys,
-block_size]``: every key the replica holds after the live batch ``seq`` (-1:
-before the first one) was published.  A router that applies the snapshot and
+block_size, host_keys]``: every key the replica holds on GPU (``keys``) and on
+the host tier (``host_keys``, absent from older relays) after the live batch
+``seq`` (-1: before the first one) was published.  A router that applies the snapshot and
 then every live batch of the same epoch with a larger ``seq``, in order, holds
 exactly the relay's set: the snapshot is made on the thread that publishes, so
 none falls between.  Dynamo's router fetches a dump of its indexer in the
@@ -39,6 +43,8 @@ from collections.abc import Iterable, Sequence
 from typing import Annotated, TypeAlias
 
 import msgspec
+
+from routing.tiers import Tier
 
 __all__ = [
     "AllKeysCleared",
@@ -87,22 +93,30 @@ def keys_from_bytes(data: bytes) -> array:
 BlockKey = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
 """One block key: a uint64 (``routing.block_keys``)."""
 
+TierCode = Annotated[int, msgspec.Meta(ge=int(min(Tier)), le=int(max(Tier)))]
+"""A ``routing.tiers.Tier`` on the wire; another value fails the message's decoding."""
+
 
 class KeysStored(msgspec.Struct, array_like=True, tag="s", gc=False):
-    """Keys the replica now holds (each one's first copy), in chain order."""
+    """Keys the replica now holds on ``tier`` (each one's first copy there), in chain order."""
 
     parent: BlockKey | None
     keys: bytes
+    tier: TierCode = int(Tier.GPU)
 
 
 class KeysRemoved(msgspec.Struct, array_like=True, tag="r", gc=False):
-    """Keys the replica no longer holds (each one's last copy went)."""
+    """Keys the replica no longer holds on ``tier`` (each one's last copy there went)."""
 
     keys: bytes
+    tier: TierCode = int(Tier.GPU)
 
 
 class AllKeysCleared(msgspec.Struct, array_like=True, tag="c", gc=False):
-    """The replica holds nothing (the engine cleared its prefix cache, or the relay lost track)."""
+    """The replica holds nothing on ``tier`` (the engine cleared its prefix cache), or on any
+    tier when ``tier`` is None (the relay lost track of the engine)."""
+
+    tier: TierCode | None = None
 
 
 KeyEvent: TypeAlias = KeysStored | KeysRemoved | AllKeysCleared
@@ -117,12 +131,14 @@ class KeyEventBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 class KeySnapshot(msgspec.Struct, array_like=True, gc=False):
-    """Every key a relay's replica holds after live batch ``seq`` (-1: before any)."""
+    """Every key a relay's replica holds on GPU (``keys``) and on the host tier
+    (``host_keys``) after live batch ``seq`` (-1: before any)."""
 
     epoch: int
     seq: int
     keys: bytes
     block_size: int
+    host_keys: bytes = b""
 
 
 class KeyDecodeError(ValueError):
@@ -161,9 +177,9 @@ def decode_key_frames(frames: Sequence[bytes]) -> tuple[int, KeyEventBatch]:
     return int.from_bytes(frames[1], "big"), batch
 
 
-def encode_snapshot(epoch: int, seq: int, keys: bytes, block_size: int) -> bytes:
-    """A snapshot answer's payload (``keys`` as ``keys_to_bytes`` makes them)."""
-    return _encoder.encode(KeySnapshot(epoch, seq, keys, block_size))
+def encode_snapshot(epoch: int, seq: int, keys: bytes, block_size: int, host_keys: bytes = b"") -> bytes:
+    """A snapshot answer's payload (``keys`` and ``host_keys`` as ``keys_to_bytes`` makes them)."""
+    return _encoder.encode(KeySnapshot(epoch, seq, keys, block_size, host_keys))
 
 
 def decode_snapshot(payload: bytes) -> KeySnapshot:
@@ -176,6 +192,6 @@ def decode_snapshot(payload: bytes) -> KeySnapshot:
         snap = _snapshot_decoder.decode(payload)
     except msgspec.DecodeError as e:
         raise KeyDecodeError(f"malformed key snapshot: {e}") from e
-    if len(snap.keys) % 8:
-        raise KeyDecodeError(f"snapshot keys are {len(snap.keys)} bytes, not whole uint64s")
+    if len(snap.keys) % 8 or len(snap.host_keys) % 8:
+        raise KeyDecodeError(f"snapshot keys are {len(snap.keys)} + {len(snap.host_keys)} bytes, not whole uint64s")
     return snap

@@ -4,15 +4,23 @@ under bounded load.
 A pure function of index answers and load numbers (no Ray, no I/O, no clock),
 so the request router, the simulator and the tests run the same code.
 
-Cost function (seconds, a predicted time to first token)::
+Cost function (seconds, a predicted time to first token), tiers priced in
+seconds (``routing.tiers``)::
 
-    cached_r   = min(matched_blocks_r, (prompt_tokens - 1) // block_size) * block_size
-    uncached_r = prompt_tokens - cached_r
+    gpu_r      = min(matched_blocks_r, (prompt_tokens - 1) // block_size) * block_size
+    cached_r   = min(matched_blocks_r + host_blocks_r, (prompt_tokens - 1) // block_size) * block_size
+    host_r     = cached_r - gpu_r                  (tokens loaded from host memory)
+    uncached_r = prompt_tokens - cached_r          (tokens prefilled)
     ttft_r     = (uncached_r + queued_prefill_tokens_r) * prefill_cost_per_token_s
+               + host_r * host_load_cost_per_token_s_r
                + waiting_r * waiting_penalty_s
                + running_r * running_penalty_s
                + (kv_pressure_penalty_s if kv_cache_usage_r >= kv_pressure_threshold else 0)
 
+* A GPU hit costs nothing, a host hit its KV bytes over the host link
+  (``host_load_cost_per_token_s``: the model's KV bytes a token over the link's
+  bytes/s, a few microseconds a token against about 100 for a prefill), a miss
+  its prefill.
 * ``cached_r`` stops one token short of the prompt: the engine always
   recomputes the last prompt token to get logits, so a fully cached prompt
   still recomputes its last block (a 1,024-token prompt at block size 32
@@ -32,15 +40,20 @@ Replicas are ranked by a score, not by ``ttft_r`` itself::
 
     busy    = min over not-saturated candidates of queued_prefill_tokens_r / prompt_tokens
     w       = uncached_weight * (1 + busy_cluster_weight * busy)
-    evict_r = max(0, (prompt_tokens - cached_r) // block_size - free_blocks_r) * block_size
+    evict_r = max(0, (prompt_tokens - gpu_r) // block_size - free_blocks_r) * block_size
               (0 for every candidate unless some candidate has evict = 0)
-    score_r = ttft_r + ((w - 1) * uncached_r + eviction_weight * evict_r) * prefill_cost_per_token_s
+    score_r = ttft_r + (w - 1) * uncached_r * prefill_cost_per_token_s
+            + eviction_weight * evict_r * (host_load_cost_per_token_s_r if r has a host tier
+                                           else prefill_cost_per_token_s)
 
 A prompt token recomputed on a replica costs the cluster more than this
 request's own TTFT: every request queued behind it waits for it, and the
 recomputed prefix takes a second copy in another cache, evicting other
 prefixes.  ``uncached_weight`` > 1 charges for that; the simulator's ablation
-(docs/benchmarks.md) chose the default.
+(docs/benchmarks.md) chose the default.  A token loaded from host memory
+delays no one's prefill, so the weight applies to recomputed tokens only: a
+prefix is spilled off the replica that holds it (on either tier) only when
+the queue the spill avoids costs more than the weighted recompute it causes.
 
 ``busy`` is how many prompts of this size the least busy replica still has
 to prefill.  When it is 0 some replica is idle, and moving a request there
@@ -54,11 +67,14 @@ others' (Mooncake trace at its own rate, fp16 preset, when it was added:
 hit rate 3.9 -> 4.3 %, p90 TTFT unchanged; docs/benchmarks.md).  ``Decision.predicted_ttft_s`` and
 ``Decision.costs`` stay the unweighted ``ttft_r``.
 
-``evict_r`` is the capacity term: the new full blocks the request will
-cache on ``r`` beyond the blocks ``r`` can still store without evicting
+``evict_r`` is the capacity term: the new full GPU blocks the request will
+cache on ``r`` (computed or loaded from host memory: a host hit needs GPU
+blocks too) beyond the blocks ``r`` can still store without evicting
 (``free_blocks_r``: the engine's ``num_gpu_blocks`` minus the blocks the
 index says it holds; unknown = no term).  Each block it evicts is a prefix
-some later request may have come back for (Preble's eviction cost).  While
+some later request may have come back for (Preble's eviction cost): its
+recompute, or, on a replica with a host tier (which keeps a copy of every
+block it computed), its reload, ``block_size * host_load_cost_per_token_s_r``.  While
 caches fill, a new prefix goes where it fits instead of where the
 tie-break sends it.  The term applies only while the request fits on some
 candidate without evicting: once every cache is full (the steady state of a
@@ -145,6 +161,10 @@ class ReplicaView:
         max_ongoing_requests: Serve's per-replica concurrency cap, or None.
         free_blocks: blocks it can still cache without evicting any (its
             ``num_gpu_blocks`` less those it holds), or None when unknown.
+        host_blocks: blocks after ``matched_blocks`` it would load from host
+            memory (``routing.tiers.host_hit_blocks``); 0 without a host tier.
+        host_load_cost_per_token_s: seconds to load one token's KV from its
+            host tier into GPU memory, or None when it has no host tier.
     """
 
     replica_id: str
@@ -156,6 +176,8 @@ class ReplicaView:
     kv_cache_usage: float | None = None
     max_ongoing_requests: int | None = None
     free_blocks: int | None = None
+    host_blocks: int = 0
+    host_load_cost_per_token_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +201,10 @@ class PolicyConfig:
             of prefill queued on the least busy replica (0 = a fixed weight).
         eviction_weight: weight of a cached token a request would evict
             (past the replica's free blocks), relative to a queued token.
+        price_tiers: price host-memory hits by their load time and evictions
+            on a replica with a host tier by a reload; False prices a host hit
+            as a GPU hit and every eviction as a recompute (tier-blind: kept
+            for the simulator's comparison).
 
     Raises:
         ValueError: ``uncached_weight`` below 1, or a negative ``load_floor``,
@@ -197,6 +223,7 @@ class PolicyConfig:
     no_match_choices: int = 0
     busy_cluster_weight: float = 1.0
     eviction_weight: float = 1.0
+    price_tiers: bool = True
 
     def __post_init__(self) -> None:
         if self.uncached_weight < 1.0:
@@ -215,13 +242,15 @@ class Decision:
         replica_id: chosen replica.
         reason: see :data:`Reason` and the module docstring.
         matched_tokens: prompt tokens the chosen replica is predicted to serve
-            from its prefix cache.
+            from its prefix cache (both tiers).
         best_alternative_matched_tokens: the most cached tokens any other
             candidate would have served (0 if none or no other candidate).
         predicted_ttft_s: predicted TTFT on the chosen replica, seconds.
         costs: predicted TTFT per candidate, seconds.
         scores: the ranking score per candidate (see the module docstring),
             seconds; lower is better (the caller's fallback order).
+        host_tokens: per candidate with a host hit, the prompt tokens of its
+            ``matched_tokens`` it would load from host memory.
     """
 
     replica_id: str
@@ -231,6 +260,7 @@ class Decision:
     predicted_ttft_s: float
     costs: dict[str, float]
     scores: dict[str, float]
+    host_tokens: dict[str, int]
 
 
 def cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
@@ -279,26 +309,40 @@ def choose_replica(
     # One pass over the candidates (this loop is most of a decision's Python time
     # at 64 replicas): cached tokens, the unweighted cost, saturation, the load.
     ids: list[str] = []
-    cached: list[int] = []
+    cached: list[int] = []  # tokens served from cache, both tiers
+    gpu_cached: list[int] = []
     costs: list[float] = []
     inflights: list[int] = []
     free: list[int] = []  # not saturated
+    host_tokens: dict[str, int] = {}
     least_queued = least_queued_free = None
     fits_somewhere = False
+    price_tiers = config.price_tiers
     for i, v in enumerate(candidates):
-        c = v.matched_blocks * bs
-        if c > usable_tokens:
-            c = usable_tokens
+        g = v.matched_blocks * bs
+        if g > usable_tokens:
+            g = usable_tokens
+        c = g
         inflight = v.inflight_requests
         queued = v.queued_prefill_tokens
         running = v.num_running
         cost = (prompt - c + queued) * per_token + (inflight if running is None else running) * running_s
+        if v.host_blocks:
+            c = (v.matched_blocks + v.host_blocks) * bs
+            if c > usable_tokens:
+                c = usable_tokens
+            if c > g:
+                host_tokens[v.replica_id] = c - g
+                cost -= (c - g) * per_token
+                if price_tiers and v.host_load_cost_per_token_s:
+                    cost += (c - g) * v.host_load_cost_per_token_s
         if v.num_waiting:
             cost += v.num_waiting * waiting_s
         if v.kv_cache_usage is not None and v.kv_cache_usage >= kv_threshold:
             cost += kv_penalty
         ids.append(v.replica_id)
         cached.append(c)
+        gpu_cached.append(g)
         costs.append(cost)
         inflights.append(inflight)
         if least_queued is None or queued < least_queued:
@@ -307,7 +351,7 @@ def choose_replica(
             free.append(i)
             if least_queued_free is None or queued < least_queued_free:
                 least_queued_free = queued
-        if v.free_blocks is not None and (prompt - c) // bs <= max(v.free_blocks, 0):
+        if v.free_blocks is not None and (prompt - g) // bs <= max(v.free_blocks, 0):
             fits_somewhere = True
     longest = max(cached)
     weight = config.uncached_weight
@@ -321,9 +365,11 @@ def choose_replica(
     if per_evicted and fits_somewhere:  # it fits somewhere without evicting: charge the others
         for i, v in enumerate(candidates):
             if v.free_blocks is not None:
-                evicted = (prompt - cached[i]) // bs - max(v.free_blocks, 0)
+                evicted = (prompt - gpu_cached[i]) // bs - max(v.free_blocks, 0)
                 if evicted > 0:
-                    scores[i] += evicted * per_evicted
+                    reload = v.host_load_cost_per_token_s
+                    scores[i] += evicted * (per_evicted if not (price_tiers and reload) else
+                                            config.eviction_weight * reload * bs)
 
     if n == 1:
         chosen, reason = 0, "only_candidate"
@@ -359,4 +405,5 @@ def choose_replica(
         predicted_ttft_s=costs[chosen],
         costs=dict(zip(ids, costs, strict=True)),
         scores=dict(zip(ids, scores, strict=True)),
+        host_tokens=host_tokens,
     )

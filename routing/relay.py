@@ -1,31 +1,62 @@
-"""The KV-event relay's state: one engine's cached blocks, as our block keys.
+"""The KV-event relay's state: one engine's cached blocks, as our block keys, per tier.
 
 ``KeyRelay`` runs next to one engine (in its Serve replica, see
 ``routing.relay_server``; in the simulator, next to each simulated engine).
 It folds the engine's vLLM KV events (``routing.events``) into the set of
-block keys the engine holds and returns the changes of that set as key events
-(``routing.key_events``), which every router applies without hashing a token.
+block keys the engine holds on each KV-cache tier (``routing.tiers``: GPU, and
+host memory when vLLM offloads KV) and returns the changes of those sets as key
+events (``routing.key_events``), which every router applies without hashing a
+token.
 
-Per engine it keeps:
+Per engine and tier it keeps:
 
 * ``key_of: engine block hash -> key``: each cached engine block's key
   (``routing.block_keys``: the chain of token ids from the parent's key, the
   cache_salt and the LoRA name folded in).  A ``BlockStored`` names its parent
-  by engine hash; the parent's key is looked up here;
+  by engine hash; the parent's key is looked up here (either tier: a host
+  chunk's parent may be on GPU only);
 * ``copies: engine hash -> n`` for blocks the engine stored more than once
   (vLLM does not de-duplicate physical blocks; each copy's eviction sends its
-  own ``BlockRemoved``);
+  own ``BlockRemoved``; the host tier re-announces blocks shared by two
+  offloaded chunks, once per chunk);
 * ``refs: key -> n``, the distinct engine hashes mapping to each key held
   (``n >= 2`` e.g. for a LoRA name re-pointed to another path: the engine hash
   covers the path, our key does not).
 
-A key is announced (``KeysStored``) when the engine's first block with that key
-is stored and withdrawn (``KeysRemoved``) when its last one is removed, so a
-router keeps one bit per (replica, key) and no counts.
+A key is announced (``KeysStored``) on a tier when the engine's first block
+with that key is stored there and withdrawn (``KeysRemoved``) when its last one
+there is removed, so a router keeps one bit per (replica, key, tier) and no
+counts.
+
+The tier of an event is its ``medium`` (``routing.tiers.tier_of_medium``);
+events of other media are ignored, counted.  Host-tier stores come in two
+shapes (vLLM's ``OffloadingEventsTracker``):
+
+* self-describing (``kv_connector_extra_config["self_describing_kv_events"]``):
+  one event per offloaded chunk with its engine blocks' hashes, parent and
+  token ids, keyed like a GPU store;
+* placeholders (``token_ids=[]``, no parent, ``block_size=0``): each hash is
+  mapped through the key the relay already knows for that engine hash (the
+  GPU block it was copied from); a hash it never saw is counted
+  (``host_unknown_blocks``) and dropped.
+
+A chunk of several engine blocks (``blocks_per_chunk > 1``) is announced block
+by block, but vLLM can load it only whole (vllm #57159): routers count host
+blocks in whole chunks (``routing.tiers.host_hit_blocks``).
+
+``AllBlocksCleared`` (the engine reset its GPU prefix cache) clears the GPU
+tier; ``clear()`` (the relay lost track of the engine) clears every tier.
+
+KV-cache groups: a hybrid model (full-attention layers plus sliding-window or
+Mamba layers) publishes each block once per group, under the same engine
+hash.  vLLM decides a prefix hit on its full-attention group first, and the
+other groups can only shorten it (``HybridKVCacheCoordinator.
+find_longest_cache_hit``), so the relay follows one group: ``hit_group`` of
+the engine's group metadata.  Events of other groups are ignored, counted.
 
 A ``BlockStored`` whose parent is unknown cannot be chained (the relay missed
-the parent's event: it follows the engine from its first event, so only a loss
-past the engine's replay buffer does this); its blocks are skipped and counted.
+the parent's event, or the host tier stores a chunk whose parent both tiers
+evicted); its blocks are skipped and counted.
 Nothing here imports Ray, ZMQ or vLLM.
 """
 
@@ -38,26 +69,57 @@ from dataclasses import dataclass, fields
 from routing.block_keys import ROOT_SEED, block_keys_from_stored, chain_keys
 from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineBlockHash, KVEvent
 from routing.key_events import AllKeysCleared, KeyEvent, KeysRemoved, KeysStored, keys_to_bytes
+from routing.tiers import Tier, tier_of_medium
 
-__all__ = ["KeyRelay", "RelayStats"]
+__all__ = ["FULL_ATTENTION_KINDS", "KeyRelay", "RelayStats", "hit_group"]
+
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+"""vLLM ``KVCacheSpecKind`` values of full-attention groups (their specs subclass ``FullAttentionSpec``)."""
+
+
+def hit_group(groups: list[dict]) -> int:
+    """The KV-cache group whose blocks decide a prefix hit, from vLLM's group metadata.
+
+    Args:
+        groups: ``EngineCore.get_kv_cache_group_metadata()``: one dict per group,
+            in group order, with ``group_idx`` and ``kind`` (a ``KVCacheSpecKind``).
+
+    Returns:
+        The first full-attention group (vLLM looks it up first and the others
+        can only shorten its hit), else group 0 (a model of one kind).
+    """
+    for g in groups:
+        if g.get("kind") in FULL_ATTENTION_KINDS:
+            return int(g["group_idx"])
+    return 0
+
 
 _LITTLE_ENDIAN = sys.byteorder == "little"  # array('I') bytes are then the keys' uint32-LE
+_TIERS = tuple(Tier)
 
 
 @dataclass(slots=True)
 class RelayStats:
-    """Monotonic counters of a :class:`KeyRelay`; a block is one engine block."""
+    """Monotonic counters of a :class:`KeyRelay`; a block is one engine block (on one tier)."""
 
     blocks_stored: int = 0
-    """Engine blocks newly cached (each one's first copy)."""
+    """Engine blocks newly cached on GPU (each one's first copy)."""
     keys_stored: int = 0
-    """Keys announced (``KeysStored``)."""
+    """GPU keys announced (``KeysStored``)."""
     keys_removed: int = 0
-    """Keys withdrawn (``KeysRemoved``)."""
+    """GPU keys withdrawn (``KeysRemoved``)."""
+    host_blocks_stored: int = 0
+    """Engine blocks newly copied to the host tier (each one's first copy there)."""
+    host_keys_stored: int = 0
+    """Host-tier keys announced."""
+    host_keys_removed: int = 0
+    """Host-tier keys withdrawn."""
+    host_unknown_blocks: int = 0
+    """Placeholder host-tier stores naming an engine hash the relay never saw (dropped)."""
     duplicate_stores: int = 0
-    """Extra physical copies of an engine block already held."""
+    """Extra physical copies of an engine block already held on the same tier."""
     unknown_removed: int = 0
-    """``BlockRemoved`` hashes the relay did not hold (their ``BlockStored`` was skipped or missed)."""
+    """``BlockRemoved`` hashes the relay did not hold on that tier (their ``BlockStored`` was skipped or missed)."""
     unknown_parent_events: int = 0
     """``BlockStored`` events whose parent engine hash was unknown."""
     unchained_blocks: int = 0
@@ -66,6 +128,8 @@ class RelayStats:
     """``BlockStored`` whose ``token_ids`` do not fill ``block_hashes`` blocks, or hold bad ids."""
     ignored_events: int = 0
     """Events of another KV-cache group or block size than the relay's."""
+    ignored_media: int = 0
+    """Events of a medium the router does not route on (e.g. ``"STORAGE"``)."""
     clears: int = 0
     """``AllBlocksCleared`` events and ``clear()`` calls."""
 
@@ -74,12 +138,13 @@ class RelayStats:
 
 
 class KeyRelay:
-    """One engine's cached blocks as block keys (see the module docstring).
+    """One engine's cached blocks as block keys, per tier (see the module docstring).
 
     Args:
-        block_size: tokens per block; ``BlockStored`` of another size are ignored.
-        group_idx: KV-cache group to follow (0 for full-attention models);
-            events of other groups are ignored.  Events without one are kept.
+        block_size: tokens per block; ``BlockStored`` of another size are ignored
+            (host placeholders, ``block_size`` 0, excepted).
+        group_idx: KV-cache group to follow (``hit_group``; 0 for full-attention
+            models); events of other groups are ignored.  Events without one are kept.
     """
 
     def __init__(self, block_size: int, group_idx: int | None = 0) -> None:
@@ -88,13 +153,32 @@ class KeyRelay:
         self.block_size = block_size
         self.group_idx = group_idx
         self.stats = RelayStats()
-        self.key_of: dict[EngineBlockHash, int] = {}
-        self.copies: dict[EngineBlockHash, int] = {}
-        self.refs: dict[int, int] = {}
+        # Indexed by Tier: engine hash -> key, engine hash -> copies (>= 2), key -> engine hashes.
+        self.key_of: tuple[dict[EngineBlockHash, int], ...] = tuple({} for _ in _TIERS)
+        self.copies: tuple[dict[EngineBlockHash, int], ...] = tuple({} for _ in _TIERS)
+        self.refs: tuple[dict[int, int], ...] = tuple({} for _ in _TIERS)
 
     def __len__(self) -> int:
-        """Distinct keys held."""
-        return len(self.refs)
+        """Distinct keys held on GPU."""
+        return len(self.refs[Tier.GPU])
+
+    def num_keys(self, tier: Tier) -> int:
+        """Distinct keys held on ``tier``."""
+        return len(self.refs[tier])
+
+    def follow_group(self, group_idx: int | None) -> bool:
+        """Follow KV-cache group ``group_idx`` from now on (``hit_group`` of the engine's groups).
+
+        Returns:
+            True if that changed the group and the relay forgot what it held
+            (it followed another group's blocks): the caller tells the routers
+            (``AllKeysCleared``).  False when it was the group already.
+        """
+        if group_idx == self.group_idx:
+            return False
+        self.group_idx = group_idx
+        self.clear()
+        return True
 
     def apply(self, events: list[KVEvent]) -> list[KeyEvent]:
         """Fold one batch of the engine's events in; returns the key events it causes, in order.
@@ -113,40 +197,58 @@ class KeyRelay:
                 if removed is not None:
                     out.append(removed)
             elif kind is AllBlocksCleared:
-                self.clear()
-                out.append(AllKeysCleared())
+                self.clear(Tier.GPU)
+                out.append(AllKeysCleared(Tier.GPU))
             else:
                 raise TypeError(f"not a KV event: {ev!r}")
         return out
 
-    def clear(self) -> None:
-        """Forget every block (the engine cleared its cache, or its events were lost)."""
+    def clear(self, tier: Tier | None = None) -> None:
+        """Forget every block of ``tier`` (the engine cleared it), or of every tier when None
+        (the engine's events were lost)."""
         self.stats.clears += 1
-        self.key_of, self.copies, self.refs = {}, {}, {}
+        for t in _TIERS if tier is None else (tier,):
+            self.key_of[t].clear()
+            self.copies[t].clear()
+            self.refs[t].clear()
 
-    def snapshot_keys(self) -> bytes:
-        """Every key held, once each, in store order, as the wire's uint64-LE bytes."""
-        return keys_to_bytes(self.refs)
+    def snapshot_keys(self, tier: Tier = Tier.GPU) -> bytes:
+        """Every key held on ``tier``, once each, in store order, as the wire's uint64-LE bytes."""
+        return keys_to_bytes(self.refs[tier])
 
     # ------------------------------------------------------------------ internals
 
-    def _ignored(self, group_idx: int | None, block_size: int | None) -> bool:
+    def _tier(self, medium: str | None, group_idx: int | None) -> Tier | None:
+        """The event's tier, or None (counted) when it is of another group or medium."""
         if group_idx is not None and self.group_idx is not None and group_idx != self.group_idx:
-            return True
-        return block_size is not None and block_size != self.block_size
+            self.stats.ignored_events += 1
+            return None
+        tier = tier_of_medium(medium)
+        if tier is None:
+            self.stats.ignored_media += 1
+        return tier
+
+    def _parent_key(self, parent: EngineBlockHash) -> int | None:
+        """The key of a parent engine hash held on any tier."""
+        key = self.key_of[Tier.GPU].get(parent)
+        return self.key_of[Tier.HOST].get(parent) if key is None else key
 
     def _store(self, ev: BlockStored) -> KeysStored | None:
-        bs = ev.block_size
+        tier = self._tier(ev.medium, ev.group_idx)
+        if tier is None:
+            return None
         hashes = ev.block_hashes
-        if self._ignored(ev.group_idx, bs):
+        if tier is Tier.HOST and not ev.token_ids and not ev.block_size:
+            return self._store_placeholder(hashes)
+        bs = ev.block_size
+        if bs != self.block_size:
             self.stats.ignored_events += 1
             return None
         if len(ev.token_ids) != len(hashes) * bs:
             self.stats.malformed_events += 1
             return None
-        key_of = self.key_of
         parent = ev.parent_block_hash
-        seed = ROOT_SEED if parent is None else key_of.get(parent)
+        seed = ROOT_SEED if parent is None else self._parent_key(parent)
         if seed is None:
             self.stats.unknown_parent_events += 1
             self.stats.unchained_blocks += len(hashes)
@@ -160,18 +262,37 @@ class KeyRelay:
         except (ValueError, TypeError, OverflowError):
             self.stats.malformed_events += 1
             return None
+        return self._hold(tier, hashes, keys, None if parent is None else seed)
+
+    def _store_placeholder(self, hashes: list[EngineBlockHash]) -> KeysStored | None:
+        """A host-tier store without payload: each hash keyed by the block it was copied from."""
+        keys: list[int] = []
+        known: list[EngineBlockHash] = []
+        for eh in hashes:
+            key = self._parent_key(eh)
+            if key is None:
+                self.stats.host_unknown_blocks += 1
+                continue
+            keys.append(key)
+            known.append(eh)
+        return self._hold(Tier.HOST, known, keys, None) if known else None
+
+    def _hold(self, tier: Tier, hashes: list[EngineBlockHash], keys, parent_key: int | None) -> KeysStored | None:
+        """Record ``hashes`` (keys ``keys``) as held on ``tier``; the keys newly held there, if any."""
+        key_of, copies, refs = self.key_of[tier], self.copies[tier], self.refs[tier]
         new: list[int] = []
-        new_parent = None if parent is None else seed  # the key before the first new one
-        prev = new_parent
-        copies, refs = self.copies, self.refs
+        new_parent = parent_key  # the key before the first new one
+        prev = parent_key
+        stats = self.stats
+        stored = 0
         for eh, key in zip(hashes, keys, strict=False):
             if eh in key_of:  # another physical copy of a block held: it becomes most recent
-                self.stats.duplicate_stores += 1
+                stats.duplicate_stores += 1
                 copies[eh] = copies.get(eh, 1) + 1
                 key_of[eh] = key_of.pop(eh)
                 prev = key
                 continue
-            self.stats.blocks_stored += 1
+            stored += 1
             n = refs.get(key, 0)
             refs[key] = n + 1
             if not n:  # else held under another engine hash already
@@ -180,16 +301,21 @@ class KeyRelay:
                 new.append(key)
             key_of[eh] = key
             prev = key
+        if tier is Tier.GPU:
+            stats.blocks_stored += stored
+            stats.keys_stored += len(new)
+        else:
+            stats.host_blocks_stored += stored
+            stats.host_keys_stored += len(new)
         if not new:
             return None
-        self.stats.keys_stored += len(new)
-        return KeysStored(new_parent, keys_to_bytes(new))
+        return KeysStored(new_parent, keys_to_bytes(new), tier)
 
     def _remove(self, ev: BlockRemoved) -> KeysRemoved | None:
-        if self._ignored(ev.group_idx, None):
-            self.stats.ignored_events += 1
+        tier = self._tier(ev.medium, ev.group_idx)
+        if tier is None:
             return None
-        key_of, copies, refs = self.key_of, self.copies, self.refs
+        key_of, copies, refs = self.key_of[tier], self.copies[tier], self.refs[tier]
         gone: list[int] = []
         for eh in ev.block_hashes:
             if copies and eh in copies:  # other physical copies remain
@@ -208,5 +334,8 @@ class KeyRelay:
             gone.append(key)
         if not gone:
             return None
-        self.stats.keys_removed += len(gone)
-        return KeysRemoved(keys_to_bytes(gone))
+        if tier is Tier.GPU:
+            self.stats.keys_removed += len(gone)
+        else:
+            self.stats.host_keys_removed += len(gone)
+        return KeysRemoved(keys_to_bytes(gone), tier)

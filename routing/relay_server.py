@@ -17,11 +17,18 @@ with vLLM's ``seq`` starting at 0 in each engine process:
 * ``seq == expected``: apply;
 * ``seq > expected`` (the SUB joined after the engine's first events, or
   dropped at its high-water mark): ask the engine's replay socket for
-  ``expected ..``; if it cannot cover the gap, the relay's state is no longer
-  exact: it is cleared and ``AllKeysCleared`` published (routers drop the
-  replica's keys; later blocks are indexed again as they are stored);
+  ``expected ..``; if its ring no longer holds the oldest of them, the relay's
+  state is no longer exact: it is cleared and ``AllKeysCleared`` published
+  (routers drop the replica's keys), then the batches the ring still holds up
+  to ``seq`` are applied (their blocks are in the engine unless a later batch
+  removed them) before the live one, so only blocks stored in the lost batches
+  are missing until they are stored again;
 * ``seq < expected``: a duplicate (dropped), or ``seq == 0`` after others: the
   engine core restarted, its cache is empty: clear.
+
+The relay follows one KV-cache group of the engine (``routing.relay.hit_group``):
+``follow_group`` sends the loop a message (the loop owns the relay's state) and
+returns a future that completes once the loop applied it.
 
 Supervision: a bad message is counted by cause and skipped; a batch the relay
 cannot apply clears its state (and says so); if the loop itself fails (a socket
@@ -36,11 +43,13 @@ Nothing here imports Ray or vLLM.
 from __future__ import annotations
 
 import logging
+import queue
 import secrets
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import zmq
 
@@ -48,6 +57,7 @@ from routing.events import EventDecodeError, decode_frames, is_replay_end
 from routing.key_events import SNAPSHOT_REQUEST, AllKeysCleared, encode_key_frames, encode_snapshot
 from routing.relay import KeyRelay
 from routing.supervise import supervise
+from routing.tiers import Tier
 
 __all__ = ["RelayServer"]
 
@@ -94,6 +104,7 @@ class RelayServer:
         self._snap = self._socket(zmq.ROUTER)
         self.snapshot_endpoint = f"tcp://{host}:{self._snap.bind_to_random_port(f'tcp://{host}')}"
         self._sub: zmq.Socket | None = None
+        self._inbox: queue.SimpleQueue[tuple[int | None, Future]] = queue.SimpleQueue()  # groups to follow
         self._stop = threading.Event()
         self._heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._supervise, name="kv-event-relay", daemon=True)
@@ -108,6 +119,18 @@ class RelayServer:
     def alive(self, within_s: float = 5.0) -> bool:
         """True while the loop runs and went round within ``within_s`` seconds."""
         return self._thread.is_alive() and time.monotonic() - self._heartbeat < within_s
+
+    def follow_group(self, group_idx: int | None) -> Future:
+        """Follow KV-cache group ``group_idx`` (``routing.relay.hit_group`` of the engine's groups).
+
+        Any thread: the loop applies it before the next vLLM batch it reads. If
+        the relay followed another group, it forgets what it held and tells the
+        routers (``AllKeysCleared``). Returns a future that is done (True: the
+        group changed) once the loop applied it.
+        """
+        done: Future = Future()
+        self._inbox.put((group_idx, done))
+        return done
 
     def close(self) -> None:
         self._stop.set()
@@ -136,6 +159,7 @@ class RelayServer:
         poller.register(self._snap, zmq.POLLIN)
         while not self._stop.is_set():
             self._heartbeat = time.monotonic()
+            self._read_inbox()
             ready = dict(poller.poll(timeout=100))
             if ready.get(self._snap):
                 self._answer_snapshots()
@@ -150,6 +174,18 @@ class RelayServer:
                 self._publish([])
         sub.close(linger=0)
 
+    def _read_inbox(self) -> None:
+        while True:
+            try:
+                group_idx, done = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            changed = self.relay.follow_group(group_idx)
+            if changed:
+                self.stats["group_changes"] += 1
+                self._publish([AllKeysCleared()])
+            done.set_result(changed)
+
     def _answer_snapshots(self) -> None:
         for _ in range(100):
             try:
@@ -159,7 +195,8 @@ class RelayServer:
             if len(frames) != 2 or frames[1] != SNAPSHOT_REQUEST:
                 self.stats["bad_snapshot_requests"] += 1
                 continue
-            payload = encode_snapshot(self.epoch, self.seq, self.relay.snapshot_keys(), self.relay.block_size)
+            payload = encode_snapshot(self.epoch, self.seq, self.relay.snapshot_keys(Tier.GPU), self.relay.block_size,
+                                      self.relay.snapshot_keys(Tier.HOST))
             self._snap.send_multipart([frames[0], payload])
             self.stats["snapshots_served"] += 1
 
@@ -185,9 +222,7 @@ class RelayServer:
         expected = self._expected or 0
         if seq > expected:
             self.stats["gaps"] += 1
-            if not self._replay(expected, seq):
-                self.stats["replay_failures"] += 1
-                self._reset()
+            self._replay(expected, seq)
         self._apply(seq, batch)
 
     def _reset(self) -> None:
@@ -215,10 +250,31 @@ class RelayServer:
         self.stats["batches_published"] += 1
         self._last_publish = time.monotonic()
 
-    def _replay(self, start: int, stop: int) -> bool:
-        """Fetch and apply vLLM batches ``start .. stop-1``; True if all of them came."""
+    def _replay(self, start: int, stop: int) -> None:
+        """Fetch and apply vLLM batches ``start .. stop-1`` from the engine's replay ring.
+
+        All of them came: applied, the relay stays exact.  Otherwise
+        (``replay_failures``) the relay is reset, and if the ring still held the
+        newest of them (``s .. stop-1`` for some ``s > start``: the older ones
+        fell out of it), those are applied (``partial_replays``).
+        """
+        got = self._fetch_replay(start, stop)
+        first = stop
+        while first - 1 in got:  # the run the ring holds right before the live batch
+            first -= 1
+        if first > start:
+            self.stats["replay_failures"] += 1
+            self._reset()
+            if first < stop:
+                self.stats["partial_replays"] += 1
+        for seq in range(first, stop):
+            self._apply(seq, got[seq])
+            self.stats["replayed_batches"] += 1
+
+    def _fetch_replay(self, start: int, stop: int) -> dict[int, object]:
+        """The batches ``start <= seq < stop`` the engine's replay socket sent, by seq (none on failure)."""
         if not self.vllm_replay:
-            return False
+            return {}
         self.stats["replays"] += 1
         sock = self._socket(zmq.DEALER)
         got: dict[int, object] = {}
@@ -229,27 +285,21 @@ class RelayServer:
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1):
-                    return False
+                    return {}
                 frames = sock.recv_multipart()
                 if frames and frames[0] == b"":
                     frames = frames[1:]
                 if is_replay_end(frames):
-                    break
+                    return got
                 if frames and len(frames[-1]) > self.max_payload_bytes:
                     self.stats["oversized"] += 1
-                    return False
+                    return {}
                 try:
                     _t, seq, batch = decode_frames(frames)
                 except EventDecodeError:
                     self.stats["decode_errors"] += 1
-                    return False
+                    return {}
                 if start <= seq < stop:
                     got[seq] = batch
         finally:
             sock.close(linger=0)
-        if sorted(got) != list(range(start, stop)):
-            return False
-        for seq in range(start, stop):
-            self._apply(seq, got[seq])
-            self.stats["replayed_batches"] += 1
-        return True

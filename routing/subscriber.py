@@ -343,7 +343,7 @@ class EventSubscriber:
         with self.lock:
             if not self._still_followed(src):
                 return
-            self.index.load_snapshot(src.replica_id, snap.keys)
+            self.index.load_snapshot(src.replica_id, snap.keys, snap.host_keys)
             self._synced.add(src.replica_id)
             self._unsynced_since.pop(src.replica_id, None)
         self.stats["snapshots"] += 1
