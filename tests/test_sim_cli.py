@@ -116,7 +116,7 @@ def test_summary_table_checks_done_when(report):
         return summary_table([rep]).splitlines()[-1]
 
     preset = rep["config"]["preset"].replace("4090-qwen2.5-7b-", "")
-    assert row() == (f"| system_prompts | {preset} | x0.5 | 1.00 | round_robin 60.0 % | 59.0 % | dynamo 2.000 "
+    assert row() == (f"| system_prompts | {preset} | 0 | x0.5 | 1.00 | round_robin 60.0 % | 59.0 % | dynamo 2.000 "
                      "| 2.030 | 96 % | 74 % | met |")
     ours["ttft_p90_s"] = 2.05  # 2.5 % above dynamo's p90
     assert row().endswith("| **not met** |") and not rep["acceptance"]["prefix_affinity"]["p90_ok"]

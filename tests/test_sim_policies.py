@@ -55,7 +55,7 @@ PROMPT = list(range(100, 100 + 640))
 
 
 def test_registry_and_names():
-    assert list(POLICIES)[-1] == "prefix_affinity" and len(POLICIES) == 8
+    assert list(POLICIES)[-1] == "prefix_affinity" and len(POLICIES) == 9
     assert policy_names("all") == list(POLICIES)
     assert policy_names("pow2,all") == ["pow2"] + [n for n in POLICIES if n != "pow2"]
     with pytest.raises(KeyError, match="round_robin"):

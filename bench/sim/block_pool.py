@@ -22,6 +22,10 @@ simulator's prefix-cache hits and evictions are the engine's:
   passes them tail first): hashed blocks go to the *back* of the free queue
   (least recently used first), unhashed ones to the *front* (reused first).
 
+With a host tier (``bench.sim.host_tier``, vLLM's CPU offloading), every
+block cached here is copied there as it is cached (:meth:`cache_full_blocks`),
+its host events queued with the GPU ones.
+
 Events (when enabled) are queued like vLLM's ``kv_event_queue``: one
 ``BlockStored`` per :meth:`cache_full_blocks` call and ``BlockRemoved`` for
 evicted hashes (consecutive removals are merged into one event: the index
@@ -36,6 +40,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from bench.sim.host_tier import HostTier
 from routing.events import BlockRemoved, BlockStored, EngineBlockHash, KVEvent
 
 __all__ = ["BlockPool", "MEDIUM_GPU"]
@@ -51,12 +56,14 @@ class BlockPool:
         num_blocks: physical blocks including the null block (>= 2).
         block_size: tokens per block.
         enable_events: queue ``BlockStored`` / ``BlockRemoved`` events.
+        host: the replica's host-memory tier, or None.
     """
 
     __slots__ = ("num_blocks", "block_size", "ref", "hash_of", "free", "cached", "events", "enable_events",
-                 "evictions")
+                 "evictions", "host")
 
-    def __init__(self, num_blocks: int, block_size: int, enable_events: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_events: bool = False,
+                 host: HostTier | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -68,6 +75,7 @@ class BlockPool:
         self.events: list[KVEvent] = []
         self.enable_events = enable_events
         self.evictions = 0
+        self.host = host
 
     # ------------------------------------------------------------------ state
 
@@ -196,6 +204,7 @@ class BlockPool:
                     cached[h] = {entry: None, b: None}
             else:
                 entry[b] = None
+        tokens = None
         if self.enable_events:
             bs = self.block_size
             extra: list[tuple | None] = [None] * (end - start)
@@ -216,6 +225,10 @@ class BlockPool:
                     group_idx=0,
                 )
             )
+        if self.host is not None:
+            self.host.store(hashes[start:end], hashes[start - 1] if start else None, tokens,
+                            (cache_salt,) if start == 0 and cache_salt else None,
+                            self.events if self.enable_events else None)
 
     def free_blocks(self, blocks_in_eviction_order: Iterable[int]) -> None:
         """Drop one reference from each block; released ones join the free queue.

@@ -9,7 +9,8 @@ tokens (``(prompt + output - 1) // block_size`` full blocks, as vLLM caches
 them) are in the cache.
 
 * ``pooled_cache_hit_rate``: the cache holds as many blocks as all replicas
-  together (``replicas * (num_blocks - 1)``) and evicts least recently used
+  together (``replicas * (num_blocks - 1)``, plus each replica's host-memory
+  tier when it has one: a block in either tier is a hit) and evicts least recently used
   blocks first, a request's tail blocks before its head blocks (vLLM's order).
   It ignores that running requests pin their blocks and that one request's
   blocks are spread over time, so it is an optimistic reference for any

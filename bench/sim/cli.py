@@ -28,7 +28,7 @@ from app.config import RouterConfig
 from bench.sim.bounds import cache_hit_rates
 from bench.sim.cluster import ClusterConfig, simulate_policy
 from bench.sim.generators import GENERATORS, generate
-from bench.sim.latency import PRESETS, preset
+from bench.sim.latency import GIB, PRESETS, preset
 from bench.sim.policies import POLICIES, make_policy, policy_names
 from bench.sim.replica import EngineConfig
 from bench.sim.results import acceptance, summarize
@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help=f"context length (preset: 32768; {TRACE_MAX_MODEL_LEN} for --trace)")
     ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica (default: derived from VRAM)")
+    ap.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
+                    help="host-memory KV tier per replica in GiB, as vLLM's --kv-offloading-size (0: none)")
+    ap.add_argument("--placeholder-host-events", action="store_true",
+                    help="host-tier stores published as vLLM's placeholders (default: self-describing)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None, help="preset: 0.90")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="preset: 8192")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="preset: 128")
@@ -112,12 +116,18 @@ def _cluster(args: argparse.Namespace) -> tuple[ClusterConfig, dict[str, Any]]:
         decode_step_s=args.decode_step_ms / 1000 if args.decode_step_ms else None,
         step_overhead_s=args.step_overhead_ms / 1000 if args.step_overhead_ms else None,
     )
+    if not args.kv_offloading_size >= 0:
+        raise SystemExit(f"--kv-offloading-size must be >= 0 GiB, got {args.kv_offloading_size}")
+    # vLLM's native backend: cpu_bytes_to_use = kv_offloading_size * 2**30, one engine block a chunk.
+    host_blocks = int(args.kv_offloading_size * GIB) // (bs * latency.model.kv_bytes_per_token)
     engine = EngineConfig(
         num_blocks=num_blocks,
         block_size=bs,
         max_num_batched_tokens=args.max_num_batched_tokens or pre.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs or pre.max_num_seqs,
         max_model_len=max_len,
+        host_blocks=host_blocks,
+        self_describing_host_events=not args.placeholder_host_events,
     )
     cfg = ClusterConfig(
         replicas=args.replicas,
@@ -136,6 +146,10 @@ def _cluster(args: argparse.Namespace) -> tuple[ClusterConfig, dict[str, Any]]:
         "block_size": bs,
         "num_blocks_per_replica": num_blocks,
         "kv_cache_tokens_per_replica": (num_blocks - 1) * bs,
+        "kv_offloading_size_gib": args.kv_offloading_size,
+        "host_blocks_per_replica": host_blocks,
+        "host_link_bytes_per_s": round(latency.gpu.host_link_bandwidth * latency.host_link_efficiency),
+        "host_events": "placeholder" if args.placeholder_host_events else "self_describing",
         "gpu_memory_utilization": util,
         "max_model_len": max_len,
         "max_num_batched_tokens": engine.max_num_batched_tokens,
@@ -256,7 +270,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                   "runtime_s": round(time.perf_counter() - t0, 2)}]
         return {**earlier, "config": {**earlier["config"], "router": info["router"]}, "policies": merged,
                 "updated": updated, "acceptance": acceptance(merged, earlier["bounds"])}
-    pooled = args.replicas * (cfg.engine.num_blocks - 1)
+    pooled = args.replicas * (cfg.engine.num_blocks - 1 + cfg.engine.host_blocks)  # both tiers
     bounds = cache_hit_rates(wl, cfg.engine.block_size, pooled, cfg.engine.max_model_len)
     return {
         "config": info,
@@ -278,9 +292,10 @@ def _jsonable(x: Any) -> Any:
 
 def format_table(report: dict[str, Any]) -> str:
     """A plain-text table of the report's main numbers."""
-    rows = [("policy", "hit %", "TTFT p50", "p90", "p99", "ITL p50", "p99", "tok/s", "imbal")]
+    rows = [("policy", "hit %", "host %", "TTFT p50", "p90", "p99", "ITL p50", "p99", "tok/s", "imbal")]
     for nm, p in report["policies"].items():
-        rows.append((nm, f"{p['hit_rate'] * 100:.1f}", f"{p['ttft_p50_s']:.3f}", f"{p['ttft_p90_s']:.3f}",
+        rows.append((nm, f"{p['hit_rate'] * 100:.1f}", f"{p.get('host_hit_rate', 0.0) * 100:.1f}",
+                     f"{p['ttft_p50_s']:.3f}", f"{p['ttft_p90_s']:.3f}",
                      f"{p['ttft_p99_s']:.3f}", f"{p['itl_p50_s'] * 1000:.1f}ms", f"{p['itl_p99_s'] * 1000:.1f}ms",
                      f"{p['throughput_tok_s']:.0f}", f"{p['load_imbalance']:.2f}"))
     b = report["bounds"]

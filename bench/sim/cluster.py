@@ -12,7 +12,9 @@ Events, in time order (ties in insertion order, so a run is deterministic):
   step is scheduled immediately if the engine has work (an idle engine starts
   a step as soon as a request reaches it);
 * **event delivery**: a replica's event batch reaches the policy's block index
-  ``event_lag_s`` after it was published (only for policies that read events).
+  ``event_lag_s`` after it was published (only for policies that read events);
+* **load done**: an idle replica whose only work is a host-tier load in
+  flight starts its next step when the load is done.
 
 Routing itself takes no simulated time.  Every request's TTFT is its first
 token's time minus its arrival at the router.
@@ -39,6 +41,7 @@ __all__ = ["ClusterConfig", "PolicyRun", "simulate_policy"]
 
 _STEP_END = 0
 _DELIVER = 1
+_WAKE = 2
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class PolicyRun:
     policy: str
     prompt_tokens: np.ndarray
     cached_tokens: np.ndarray
+    host_cached_tokens: np.ndarray
     output_tokens: np.ndarray
     arrival_s: np.ndarray
     ttft_s: np.ndarray
@@ -113,6 +117,7 @@ def simulate_policy(
     ttft = np.full(n, np.nan)
     finish = np.full(n, np.nan)
     cached = np.zeros(n, dtype=np.int64)
+    host_cached = np.zeros(n, dtype=np.int64)
     where = np.full(n, -1, dtype=np.int64)
     done = np.zeros(n, dtype=bool)
 
@@ -125,6 +130,7 @@ def simulate_policy(
         rid = st.req.rid
         finish[rid] = now
         cached[rid] = st.cached_tokens
+        host_cached[rid] = st.host_cached_tokens
         done[rid] = True
         policy.completed(st.req, st.replica, now)
         on_done(1)
@@ -139,12 +145,13 @@ def simulate_policy(
         replicas=replicas,
         block_size=bs,
         max_ongoing_requests=cfg.max_ongoing_requests,
-        rng=random.Random(policy_seed(cfg.seed, policy.name)),
+        rng=random.Random(policy_seed(cfg.seed, policy.seed_name or policy.name)),
         routing_stats_period_s=cfg.routing_stats_period_s,
     )
     policy.setup(ctx)
     path = EventPath(policy.index, cfg.event_lag_s, ctx.ids, bs) if uses_events and policy.index is not None else None
     busy = [False] * cfg.replicas
+    wake_at: list[float | None] = [None] * cfg.replicas  # a pending _WAKE of an idle replica
     backlog: deque[SimRequest] = deque()
     max_ongoing = cfg.max_ongoing_requests
     rejected = 0
@@ -155,6 +162,11 @@ def simulate_policy(
             return
         dur = replicas[i].schedule(now)
         if dur is None:
+            ready = replicas[i].next_load_done()
+            if ready is not None and wake_at[i] is None:  # idle until its host-tier load is done
+                wake_at[i] = ready
+                seq += 1
+                heapq.heappush(heap, (max(ready, now), seq, _WAKE, i, None))
             return
         busy[i] = True
         seq += 1
@@ -195,6 +207,9 @@ def simulate_policy(
                         seq += 1
                         heapq.heappush(heap, (at, seq, _DELIVER, i, frames))
                 kick(i, now)
+            elif kind == _WAKE:
+                wake_at[i] = None
+                kick(i, now)
             else:
                 assert path is not None and payload is not None  # only an event path queues a _DELIVER
                 path.deliver(replicas[i].id, payload, now)
@@ -224,6 +239,7 @@ def simulate_policy(
         policy=policy.name,
         prompt_tokens=np.array([r.prompt_len for r in reqs], dtype=np.int64)[keep],
         cached_tokens=cached[keep],
+        host_cached_tokens=host_cached[keep],
         output_tokens=np.array([r.output_len for r in reqs], dtype=np.int64)[keep],
         arrival_s=np.array([r.arrival_s for r in reqs], dtype=np.float64)[keep],
         ttft_s=ttft[keep],
@@ -241,5 +257,9 @@ def simulate_policy(
                if path else {}),
             "steps": int(sum(r.steps for r in replicas)),
             "evicted_blocks": int(sum(r.pool.evictions for r in replicas)),
+            **({"host_stored_blocks": int(sum(r.host.stores for r in replicas if r.host)),
+                "host_evicted_blocks": int(sum(r.host.evictions for r in replicas if r.host)),
+                "host_loaded_blocks": int(sum(r.host.loads for r in replicas if r.host))}
+               if cfg.engine.host_blocks else {}),
         },
     )

@@ -66,12 +66,15 @@ class GpuSpec:
             PyTorch / vLLM GEMMs and FlashAttention use).
         memory_bandwidth: DRAM bandwidth, bytes/s.
         total_memory: device memory as CUDA reports it (``nvidia-smi`` total), bytes.
+        host_link_bandwidth: peak bandwidth of its link to host memory, one
+            direction, bytes/s (copies of the host KV tier).
     """
 
     name: str
     tensor_flops: float
     memory_bandwidth: float
     total_memory: int
+    host_link_bandwidth: float
 
 
 RTX_4090 = GpuSpec(
@@ -84,6 +87,10 @@ RTX_4090 = GpuSpec(
     memory_bandwidth=1008e9,
     # nvidia-smi reports 24564 MiB total on an RTX 4090 (24 GiB less driver-reserved memory).
     total_memory=24564 * MIB,
+    # Same whitepaper: PCI Express 4.0 x16 host interface.  PCIe 4.0 signals 16 GT/s a lane with
+    # 128b/130b encoding (PCI-SIG, PCI Express Base Specification 4.0): 16 lanes carry
+    # 16 * 16e9 * 128/130 / 8 = 31.5 GB/s each way.
+    host_link_bandwidth=16 * 16e9 * 128 / 130 / 8,
 )
 
 
@@ -207,6 +214,10 @@ class LatencyModel:
             engine's Python loop.  Assumption: 3 ms with CUDA graphs.
         seq_overhead_s: per-sequence part of that cost (sampling, detokenizing,
             streaming one delta).  Assumption: 20 us.
+        host_link_efficiency: fraction of the host link's peak that a copy
+            of KV blocks from pinned host memory reaches.  Assumption: 0.8
+            (DMA set-up and transaction-layer packet overhead); replace it with
+            a measurement (e.g. CUDA's ``bandwidthTest --memory=pinned``).
     """
 
     gpu: GpuSpec
@@ -215,6 +226,7 @@ class LatencyModel:
     bandwidth_efficiency: float = 0.8
     step_overhead_s: float = 3e-3
     seq_overhead_s: float = 20e-6
+    host_link_efficiency: float = 0.8
     _c: tuple = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
@@ -289,6 +301,10 @@ class LatencyModel:
         new = prompt_tokens - cached_tokens
         pairs = new * (cached_tokens + (new + 1) / 2.0)
         return self.step_time(new, pairs, cached_tokens, 0, 0, 1)
+
+    def host_load_time(self, tokens: int) -> float:
+        """Seconds to copy the KV of ``tokens`` tokens from the host tier into GPU memory."""
+        return tokens * self.model.kv_bytes_per_token / (self.gpu.host_link_bandwidth * self.host_link_efficiency)
 
     def decode_step_time(self, batch: int, context: int) -> float:
         """One decode step of ``batch`` sequences of ``context`` tokens each."""

@@ -40,7 +40,11 @@ events through :class:`bench.sim.event_path.EventPath` after the event lag.
   request's tokens after the overlap credit, over the block size, and
   ``decode_blocks`` the worker's active blocks plus the request's; lowest
   cost wins, with Dynamo's defaults (``--kv-overlap-score-weight`` 1.0,
-  ``--router-temperature`` 0: ties at random).  Active prefill work is
+  ``--router-temperature`` 0: ties at random).  With host-memory tiers, a
+  second ``RadixTree`` holds the blocks of the ``medium="CPU"`` events and the
+  overlap credit is ``device_blocks + 0.75 * host_blocks``
+  (``--router-host-cache-hit-weight``'s default, ``lib/kv-router``'s router
+  config), ``host_blocks`` the host tree's match beyond the device one.  Active prefill work is
   tracked from routing until the first token (as Dynamo does when the first
   output token signals prefill completion); active blocks (prompt blocks of
   each request) until completion.  Dynamo's ``KvRouter`` binding itself
@@ -54,12 +58,19 @@ events through :class:`bench.sim.event_path.EventPath` after the event lag.
   ``queue-scorer`` (engine waiting-queue length, min-max normalized, fewer is
   better) weight 2, ``kv-cache-utilization-scorer`` (1 - KV usage) weight 2;
   ``max-score-picker`` (ties at random).  Engine metrics are scraped every
-  50 ms (the Gateway API Inference Extension's default refresh).
+  50 ms (the Gateway API Inference Extension's default refresh).  With
+  host-memory tiers, each block of the run counts its tier's weight, gpu 1.0
+  and cpu 0.8 (llm-d-kv-cache ``DefaultKVCacheBackendConfig``,
+  ``pkg/kvcache/backend.go``; ``LongestPrefixScorer`` adds the best weight of
+  a pod's tiers for each consecutive block): GPU blocks, then host blocks.
 * ``prefix_affinity``: ours, the live router's decision sequence
   (:class:`routing.affinity.AffinityRouter`, built by
   ``app.config.RouterConfig.affinity_router`` with the shipped defaults) with
   Serve's routing stats refreshed every ``routing_stats_period_s`` (1 s, as
-  ``request_routing_stats_period_s``).
+  ``request_routing_stats_period_s``), which tell it each engine's host tier.
+* ``prefix_affinity_tier_blind``: ours with ``PolicyConfig.price_tiers`` off: a
+  block in host memory counts as a GPU one and every eviction as a recompute
+  (what pricing the tiers gains; ``ray_prefix`` is blind to tiers too).
 """
 
 from __future__ import annotations
@@ -70,7 +81,7 @@ import os
 import random
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import xxhash
@@ -105,8 +116,12 @@ class StatsScraper:
 
     @staticmethod
     def _read(r: Replica) -> dict[str, Any]:
-        return {"num_running": r.num_running, "num_waiting": r.num_waiting, "kv_cache_usage": r.kv_usage,
-                "num_gpu_blocks": r.cfg.num_blocks}
+        stats = {"num_running": r.num_running, "num_waiting": r.num_waiting, "kv_cache_usage": r.kv_usage,
+                 "num_gpu_blocks": r.cfg.num_blocks}
+        if r.host is not None:  # what the engine replica reports with a host tier (app.engine)
+            stats.update(num_host_blocks=r.cfg.host_blocks, kv_bytes_per_token=r.latency.model.kv_bytes_per_token,
+                         host_blocks_per_chunk=1)
+        return stats
 
     def get(self, i: int, now: float) -> dict[str, Any]:
         if now - self.taken_at[i] >= self.period_s:
@@ -139,9 +154,14 @@ class RouterContext:
 
 
 class Policy:
-    """Base: a routing policy over replica indices."""
+    """Base: a routing policy over replica indices.
+
+    ``seed_name`` names its random stream (``policy_seed``): its own name, or the
+    policy it is a variant of, so that both make the same random choices.
+    """
 
     name: ClassVar[str] = ""
+    seed_name: ClassVar[str] = ""
     uses_events: ClassVar[bool] = False
 
     def setup(self, ctx: RouterContext) -> None:
@@ -319,7 +339,8 @@ class DynamoRadixIndex:
     The simulated engines' block hashes are the router's block keys (chained,
     so unique per prefix position); each block is given to Dynamo with that
     hash as both its ``block_hash`` and its ``tokens_hash`` (Dynamo's local
-    block hash), and a prompt is looked up by its keys.
+    block hash), and a prompt is looked up by its keys.  Host-tier events
+    (``medium="CPU"``) go to a second tree (``host_tree``).
     """
 
     def __init__(self, replica_ids: Sequence[str]) -> None:
@@ -329,6 +350,8 @@ class DynamoRadixIndex:
         from dynamo._core import RadixTree
 
         self.tree = RadixTree()
+        self.host_tree = RadixTree()
+        self.has_host = False
         self.worker = {rid: i for i, rid in enumerate(replica_ids)}
         self.event_id = 0
         self.rejected_events = 0
@@ -338,28 +361,40 @@ class DynamoRadixIndex:
         for ev in batch.events:
             self.event_id += 1
             data: dict[str, Any]
+            tree = self.tree
+            if isinstance(ev, (BlockStored, BlockRemoved)) and ev.medium == "CPU":
+                tree = self.host_tree
+                self.has_host = True
             if isinstance(ev, BlockStored):
                 data = {"stored": {"parent_hash": ev.parent_block_hash,
                                    "blocks": [{"block_hash": h, "tokens_hash": h} for h in ev.block_hashes]}}
             elif isinstance(ev, BlockRemoved):
                 data = {"removed": {"block_hashes": list(ev.block_hashes)}}
-            else:
-                self.tree.clear_all_blocks(worker)
+            else:  # AllBlocksCleared: the GPU prefix cache
+                tree.clear_all_blocks(worker)
                 continue
             try:
-                self.tree.apply_event(worker, json.dumps({"event_id": self.event_id, "data": data}).encode())
+                tree.apply_event(worker, json.dumps({"event_id": self.event_id, "data": data}).encode())
             except RuntimeError:  # e.g. "Failed to find block": Dynamo's indexer logs these and goes on
                 self.rejected_events += 1
 
     def match(self, keys, replica_ids, now) -> dict[str, int]:
+        return self._scores(self.tree, keys, replica_ids)
+
+    def match_host(self, keys, replica_ids) -> dict[str, int]:
+        """Leading blocks of ``keys`` each replica holds in host memory (from block 0)."""
+        return self._scores(self.host_tree, keys, replica_ids) if self.has_host else dict.fromkeys(replica_ids, 0)
+
+    def _scores(self, tree, keys, replica_ids) -> dict[str, int]:
         # Keyed by (worker_id, dp_rank) at run time (Dynamo's stub says worker_id).
-        scores: dict[Any, int] = self.tree.find_matches(list(keys)).scores if len(keys) else {}
+        scores: dict[Any, int] = tree.find_matches(list(keys)).scores if len(keys) else {}
         return {rid: scores.get((self.worker[rid], 0), 0) for rid in replica_ids}
 
 
 class DynamoPolicy(_IndexedPolicy):
     name = "dynamo"
     overlap_score_weight = 1.0
+    host_cache_hit_weight = 0.75
 
     def setup(self, ctx):
         super().setup(ctx)
@@ -373,7 +408,10 @@ class DynamoPolicy(_IndexedPolicy):
         bs = self.ctx.block_size
         keys = self._prompt_keys(req)
         ids = tuple(self.ctx.ids[r] for r in candidates)
-        overlap = self._index.match(keys, ids, now)
+        overlap: dict[str, float] = dict(self._index.match(keys, ids, now))
+        for rid, host in self._index.match_host(keys, ids).items():
+            if host > overlap[rid]:  # host blocks beyond the device match, credited at the host weight
+                overlap[rid] += self.host_cache_hit_weight * (host - overlap[rid])
         req_blocks = -(-req.prompt_len // bs)
         best: list[int] = []
         best_cost = float("inf")
@@ -387,7 +425,7 @@ class DynamoPolicy(_IndexedPolicy):
             elif cost <= best_cost + 1e-9:
                 best.append(r)
         r = best[0] if len(best) == 1 else self.rng.choice(best)
-        self._pending = (req.rid, max(0, req.prompt_len - overlap.get(self.ctx.ids[r], 0) * bs), req_blocks)
+        self._pending = (req.rid, max(0, round(req.prompt_len - overlap.get(self.ctx.ids[r], 0) * bs)), req_blocks)
         return r
 
     def routed(self, req, r, now):
@@ -421,6 +459,8 @@ class LlmDPolicy(_IndexedPolicy):
     queue_weight = 2.0
     kv_weight = 2.0
     metrics_period_s = 0.05
+    gpu_tier_weight = 1.0
+    cpu_tier_weight = 0.8
 
     def setup(self, ctx):
         super().setup(ctx)
@@ -445,8 +485,9 @@ class LlmDPolicy(_IndexedPolicy):
     def choose(self, req, candidates, now):
         keys = self._prompt_keys(req)
         ids = tuple(self.ctx.ids[r] for r in candidates)
-        held = self._index.match(keys, ids, now)
-        prefix_raw = {r: float(held[rid]) for r, rid in zip(candidates, ids, strict=True) if held.get(rid, 0) > 0}
+        held = self._index.match_tiers(keys, ids, now)
+        prefix_raw = {r: self.gpu_tier_weight * held[rid][0] + self.cpu_tier_weight * (held[rid][1] - held[rid][0])
+                      for r, rid in zip(candidates, ids, strict=True) if held[rid][1] > 0}
         prefix = self._minmax(prefix_raw, candidates, True)
         stats = {r: self.scraper.get(r, now) for r in candidates}
         queue = self._minmax({r: float(stats[r]["num_waiting"]) for r in candidates}, candidates, False)
@@ -524,10 +565,24 @@ class PrefixAffinityPolicy(Policy):
                 "index_stats": self.router.index.stats.as_dict()}
 
 
+class PrefixAffinityTierBlindPolicy(PrefixAffinityPolicy):
+    """Ours with tier pricing off (``PolicyConfig.price_tiers``): host hits priced as GPU hits.
+
+    Same random stream as ours: without a host tier both make the same decisions.
+    """
+
+    name = "prefix_affinity_tier_blind"
+    seed_name = "prefix_affinity"
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        self.router.policy = replace(self.router.policy, price_tiers=False)
+
+
 POLICIES: dict[str, type[Policy]] = {
     p.name: p
     for p in (RandomPolicy, RoundRobinPolicy, Pow2Policy, ConsistentHashPolicy, RayPrefixPolicy, DynamoPolicy,
-              LlmDPolicy, PrefixAffinityPolicy)
+              LlmDPolicy, PrefixAffinityTierBlindPolicy, PrefixAffinityPolicy)
 }
 """The compared policies (``--policies all``), in report order (ours last)."""
 

@@ -24,6 +24,18 @@ prefix caching on):
    including blocks filled by generated tokens; a finished request frees its
    blocks tail first (:mod:`bench.sim.block_pool`).
 
+With a host-memory tier (:mod:`bench.sim.host_tier`, vLLM's CPU offloading
+connector), a waiting request whose blocks after its GPU hit are held in host
+memory loads them, as vLLM's scheduler does with ``get_num_new_matched_tokens``:
+it takes GPU blocks for them at once (its whole sequence must fit, as for any
+admission), leaves the waiting queue without using the step's token budget
+(vLLM's ``WAITING_FOR_REMOTE_KVS``), and waits for the copy, one at a time over
+the replica's host link (``LatencyModel.host_load_time``).  Once the copy is
+done (seen at the next step's start), the loaded blocks are cached and the
+request goes back to the front of the waiting queue with them computed.  Its
+``cached_tokens`` count both tiers, as vLLM's ``num_cached_tokens`` does;
+``host_cached_tokens`` the loaded ones.
+
 Invariant used for speed: every decoding request computes one token in every
 step (the token budget is never smaller than ``max_num_seqs``, which vLLM
 requires), so decoders advance in lockstep.  A decoder's state is kept as
@@ -46,6 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench.sim.block_pool import BlockPool
+from bench.sim.host_tier import HostTier
 from bench.sim.latency import LatencyModel
 from bench.sim.workload import SimRequest
 
@@ -65,6 +78,9 @@ class EngineConfig:
         max_num_batched_tokens: token budget per step.
         max_num_seqs: running requests at most.
         max_model_len: context length; longer requests are rejected upstream.
+        host_blocks: blocks of its host-memory KV tier (0: none).
+        self_describing_host_events: host-tier stores published with token ids
+            and parents (vLLM's ``self_describing_kv_events``), else placeholders.
     """
 
     num_blocks: int
@@ -72,6 +88,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 128
     max_model_len: int = 32768
+    host_blocks: int = 0
+    self_describing_host_events: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -84,7 +102,7 @@ class ReqState:
     __slots__ = (
         "req", "keys", "tokens", "P", "N", "T", "c", "blocks", "n_cached", "outputs", "order", "gen",
         "base_c", "base_step", "chunk", "cached_tokens", "admitted", "preemptions", "arrival_s",
-        "first_token_s", "last_token_s", "finish_s", "replica", "user",
+        "first_token_s", "last_token_s", "finish_s", "replica", "user", "host_cached_tokens", "ready_at", "loading",
     )
 
     def __init__(self, req: SimRequest, arrival_s: float, tokens=None, user=None) -> None:
@@ -112,6 +130,9 @@ class ReqState:
         self.finish_s = 0.0
         self.replica = -1
         self.user = user  # the cluster's per-request record
+        self.host_cached_tokens = 0
+        self.ready_at = 0.0  # when its host-tier load is done
+        self.loading = 0  # blocks being loaded from the host tier (0: none)
 
 
 class Replica:
@@ -142,7 +163,11 @@ class Replica:
         self.id = f"replica-{index}"
         self.cfg = config
         self.latency = latency
-        self.pool = BlockPool(config.num_blocks, config.block_size, enable_events)
+        self.host = (HostTier(config.host_blocks, config.block_size, config.self_describing_host_events)
+                     if config.host_blocks else None)
+        self.pool = BlockPool(config.num_blocks, config.block_size, enable_events, self.host)
+        self.loading: list[ReqState] = []  # admitted with a host-tier load in flight, by ready time
+        self.link_free_at = 0.0  # when the host link finishes the loads queued on it
         self.enable_events = enable_events
         self.on_first_token = on_first_token or (lambda st, now: None)
         self.on_finish = on_finish or (lambda st, now: None)
@@ -179,12 +204,13 @@ class Replica:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Waiting requests, those waiting for a host-tier load included (as vLLM counts them)."""
+        return len(self.waiting) + len(self.loading)
 
     @property
     def num_requests(self) -> int:
         """Requests inside the engine (Serve's queue length for this replica)."""
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.loading)
 
     @property
     def kv_usage(self) -> float:
@@ -202,7 +228,29 @@ class Replica:
         self.waiting.append(st)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.loading)
+
+    def next_load_done(self) -> float | None:
+        """When the first host-tier load in flight is done, None without one."""
+        return self.loading[0].ready_at if self.loading else None
+
+    def _finish_loads(self, now: float) -> None:
+        """Loads done by ``now``: their blocks cached, the requests back at the front of the waiting queue."""
+        done = 0
+        while done < len(self.loading) and self.loading[done].ready_at <= now:
+            done += 1
+        if not done:
+            return
+        pool = self.pool
+        bs = self.cfg.block_size
+        for st in reversed(self.loading[:done]):
+            n = st.n_cached
+            pool.cache_full_blocks(st.blocks, st.keys, n, n + st.loading, st.tokens, st.req.cache_salt)
+            st.n_cached = n + st.loading
+            st.c = st.n_cached * bs
+            st.loading = 0
+            self.waiting.appendleft(st)
+        del self.loading[:done]
 
     # ------------------------------------------------------------------ scheduling
 
@@ -237,7 +285,10 @@ class Replica:
         return victim
 
     def schedule(self, now: float) -> float | None:
-        """Schedule one step starting at ``now``; returns its duration, or None if idle."""
+        """Schedule one step starting at ``now``; returns its duration, or None if idle
+        (or only waiting for host-tier loads: see :meth:`next_load_done`)."""
+        if self.loading and self.loading[0].ready_at <= now:
+            self._finish_loads(now)
         if not self.running and not self.waiting:
             return None
         self.step_no += 1
@@ -308,25 +359,42 @@ class Replica:
         if not self.preempted_this_step:
             waiting = self.waiting
             max_seqs = self.cfg.max_num_seqs
+            host = self.host
             while budget > 0 and waiting and len(self.running) < max_seqs:
                 st = waiting[0]
-                hit = pool.longest_hit(st.keys, (st.T - 1) // bs)
-                n_hit = len(hit)
-                hit_tokens = n_hit * bs
-                evictable = pool.evictable(hit) if hit else 0
-                full_need = -(-st.T // bs) - n_hit + evictable
-                if full_need > pool.num_free:
-                    break
-                chunk = min(st.T - hit_tokens, budget)
-                if hit:
-                    pool.touch(hit)
-                new = -(-(hit_tokens + chunk) // bs) - n_hit
-                st.blocks = hit + (pool.get_new_blocks(new) if new > 0 else [])
-                st.n_cached = n_hit
-                st.c = hit_tokens
+                if st.blocks:  # back from a host-tier load: its blocks hold its computed prefix
+                    if -(-st.T // bs) - len(st.blocks) > pool.num_free:
+                        break
+                    n_hit = st.n_cached
+                    hit_tokens = st.c
+                    chunk = min(st.T - hit_tokens, budget)
+                    new = -(-(hit_tokens + chunk) // bs) - len(st.blocks)
+                    if new > 0:
+                        st.blocks.extend(pool.get_new_blocks(new))
+                else:
+                    limit = (st.T - 1) // bs
+                    hit = pool.longest_hit(st.keys, limit)
+                    n_hit = len(hit)
+                    hit_tokens = n_hit * bs
+                    loaded = host.run(st.keys, n_hit, limit) if host is not None else 0
+                    evictable = pool.evictable(hit) if hit else 0
+                    full_need = -(-st.T // bs) - n_hit + evictable
+                    if full_need > pool.num_free:
+                        break
+                    if hit:
+                        pool.touch(hit)
+                    if loaded:
+                        self._start_load(st, hit, n_hit, loaded, now)
+                        waiting.popleft()
+                        continue
+                    chunk = min(st.T - hit_tokens, budget)
+                    new = -(-(hit_tokens + chunk) // bs) - n_hit
+                    st.blocks = hit + (pool.get_new_blocks(new) if new > 0 else [])
+                    st.n_cached = n_hit
+                    st.c = hit_tokens
                 full = min(hit_tokens + chunk, st.T) // bs
-                if full > n_hit:
-                    pool.cache_full_blocks(st.blocks, st.keys, n_hit, full, st.tokens, st.req.cache_salt)
+                if full > st.n_cached:
+                    pool.cache_full_blocks(st.blocks, st.keys, st.n_cached, full, st.tokens, st.req.cache_salt)
                     st.n_cached = full
                 if not st.admitted:
                     st.admitted = True
@@ -363,6 +431,23 @@ class Replica:
         self.steps += 1
         self._step_dur = dur
         return dur
+
+    def _start_load(self, st: ReqState, hit: list[int], n_hit: int, loaded: int, now: float) -> None:
+        """Admit ``st`` with a host-tier load of ``loaded`` blocks after its ``n_hit`` GPU-hit blocks."""
+        bs = self.cfg.block_size
+        assert self.host is not None
+        self.host.load(st.keys[n_hit:n_hit + loaded])
+        st.blocks = hit + self.pool.get_new_blocks(loaded)
+        st.n_cached = n_hit
+        st.c = n_hit * bs
+        st.loading = loaded
+        start = max(now, self.link_free_at)
+        st.ready_at = self.link_free_at = start + self.latency.host_load_time(loaded * bs)
+        if not st.admitted:
+            st.admitted = True
+            st.cached_tokens = (n_hit + loaded) * bs
+            st.host_cached_tokens = loaded * bs
+        self.loading.append(st)  # ready times rise: one link, loads in order
 
     def _push_sched(self, step: int, kind: int, st: ReqState) -> None:
         self._seq += 1

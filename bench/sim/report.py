@@ -79,14 +79,15 @@ def _fmt_pct(x: float | None) -> str:
 def summary_table(reports: list[dict[str, Any]]) -> str:
     """One markdown row per report: the done-when check for ``prefix_affinity``.
 
-    Columns: workload, preset, rate scale, round-robin's p50 TTFT (under 5 s the
-    run is unsaturated), the best other policy by hit rate and ours, the best
-    other by p90 TTFT and ours, ours over the pooled-LRU and pooled-optimal
-    bounds, and the verdict (``bench.sim.results.acceptance``).
+    Columns: workload, preset, host-memory tier per replica, rate scale,
+    round-robin's p50 TTFT (under 5 s the run is unsaturated), the best other
+    policy by hit rate and ours, the best other by p90 TTFT and ours, ours over
+    the pooled-LRU and pooled-optimal bounds, and the verdict
+    (``bench.sim.results.acceptance``).
     """
-    lines = ["| workload | preset | rate | RR p50 (s) | best other hit rate | ours | best other p90 (s) | ours (s) "
-             "| / pooled LRU | / pooled optimal | done-when |",
-             "|---|---|---:|---:|---|---:|---|---:|---:|---:|---|"]
+    lines = ["| workload | preset | host (GiB) | rate | RR p50 (s) | best other hit rate | ours | best other p90 (s) "
+             "| ours (s) | / pooled LRU | / pooled optimal | done-when |",
+             "|---|---|---:|---:|---:|---|---:|---|---:|---:|---:|---|"]
     for rep in reports:
         pols = rep["policies"]
         acc = acceptance(pols, rep["bounds"])
@@ -99,7 +100,8 @@ def summary_table(reports: list[dict[str, Any]]) -> str:
         preset = c.get("preset", "").replace("4090-qwen2.5-7b-", "")
         verdict = {True: "met", False: "**not met**", None: "no round_robin run"}[a["met"]]
         rr = f"{acc['rr_p50_s']:.2f}" if "rr_p50_s" in acc else ""
-        lines.append(f"| {rep['workload']['name']} | {preset} | x{c['rate_scale']:g} | {rr} "
+        host = c.get("kv_offloading_size_gib") or 0
+        lines.append(f"| {rep['workload']['name']} | {preset} | {host:g} | x{c['rate_scale']:g} | {rr} "
                      f"| {bh} {pols[bh]['hit_rate'] * 100:.1f} % | {ours['hit_rate'] * 100:.1f} % "
                      f"| {bp} {pols[bp]['ttft_p90_s']:.3f} | {ours['ttft_p90_s']:.3f} "
                      f"| {_fmt_pct(a['hit_over_pooled'])} | {_fmt_pct(a.get('hit_over_optimal'))} | {verdict} |")

@@ -5,18 +5,23 @@ Examples::
     python -m bench.sim.sweep --trace ../shared/workloads/mooncake_synthetic_trace.jsonl \\
         --presets 4090-qwen2.5-7b-fp16 --num-blocks 5900 --rates 0.25,0.5,1,2 --seed 1 --out docs/results/sweep
     python -m bench.sim.sweep --workload rag --rates 1,2 --out docs/results/sweep --jobs 2
+    # host-memory KV tiers: every policy at each tier size and load (one figure column a size)
+    python -m bench.sim.sweep --trace ../shared/workloads/mooncake_synthetic_trace.jsonl \
+        --presets 4090-qwen2.5-7b-fp16 --num-blocks 5900 --kv-offloading-sizes 0,16,32,64 --rates 0.5,1,2 \
+        --seed 1 --jobs 2 --out docs/results/host_tier
     # after a router change: re-run only ours into the same reports, then redraw
     python -m bench.sim.sweep --workload rag --rates 1,2 --out docs/results/sweep --policies prefix_affinity --update
 
 Each point is one ``python -m bench.sim`` run (same options; see
-:mod:`bench.sim.cli`), written to ``OUT/<workload>_<preset>_x<rate>.json``; a
-point whose report exists is kept (``--force`` re-runs it), so an interrupted
-sweep resumes.  Then ``OUT/<workload>_sweep.png`` draws, per preset, the hit
-rate and the p90 TTFT of every policy against the rate scale (ours in black,
-the pooled-cache bounds dashed), and the done-when table is printed
-(``bench.sim.report.summary_table``), both over every report of the workload
-in ``OUT`` (so sweeps of the two presets run one after the other end in one
-figure).
+:mod:`bench.sim.cli`), written to ``OUT/<workload>_<preset>_x<rate>.json``
+(``OUT/<workload>_<preset>_h<GiB>_x<rate>.json`` with ``--kv-offloading-sizes``);
+a point whose report exists is kept (``--force`` re-runs it), so an interrupted
+sweep resumes.  Then ``OUT/<workload>_sweep.png`` draws, per preset and host
+tier size, the hit rate and the p90 TTFT of every policy against the rate scale
+(ours in black, the pooled-cache bounds dashed), and the done-when table is
+printed (``bench.sim.report.summary_table``), both over every report of the
+workload in ``OUT`` (so sweeps of the two presets run one after the other end
+in one figure).
 """
 
 from __future__ import annotations
@@ -43,9 +48,18 @@ def _short(preset: str) -> str:
     return preset.replace("4090-qwen2.5-7b-", "")
 
 
-def report_path(out: Path, workload: str, preset: str, rate: float) -> Path:
-    """Where the sweep keeps one point's report."""
-    return out / f"{workload}_{_short(preset)}_x{rate:g}.json"
+def report_path(out: Path, workload: str, preset: str, rate: float, host_gib: float | None = None) -> Path:
+    """Where the sweep keeps one point's report (``host_gib``: its host tier, when the sweep varies it)."""
+    host = "" if host_gib is None else f"_h{host_gib:g}"
+    return out / f"{workload}_{_short(preset)}{host}_x{rate:g}.json"
+
+
+def _host_gib(report: dict[str, Any]) -> float:
+    return float(report["config"].get("kv_offloading_size_gib") or 0.0)
+
+
+def _column(report: dict[str, Any]) -> tuple[str, float]:
+    return report["config"]["preset"], _host_gib(report)
 
 
 def _workload_name(args: argparse.Namespace) -> str:
@@ -53,17 +67,17 @@ def _workload_name(args: argparse.Namespace) -> str:
 
 
 def plot_sweep(reports: list[dict[str, Any]], path: str | Path, title: str) -> None:
-    """Hit rate and p90 TTFT against the rate scale, one line per policy, one column per preset."""
+    """Hit rate and p90 TTFT against the rate scale, one line per policy, one column per preset and host tier size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    presets = sorted({r["config"]["preset"] for r in reports})
-    fig, axes = plt.subplots(2, len(presets), figsize=(6.0 * len(presets), 7.5), squeeze=False)
+    columns = sorted({_column(r) for r in reports})
+    fig, axes = plt.subplots(2, len(columns), figsize=(5.2 * len(columns), 7.5), squeeze=False, sharey="row")
     cmap = plt.get_cmap("tab10")
-    for col, pre in enumerate(presets):
-        reps = sorted((r for r in reports if r["config"]["preset"] == pre), key=lambda r: r["config"]["rate_scale"])
+    for col, (pre, host) in enumerate(columns):
+        reps = sorted((r for r in reports if _column(r) == (pre, host)), key=lambda r: r["config"]["rate_scale"])
         rates = [r["config"]["rate_scale"] for r in reps]
         names = list(reps[0]["policies"])
         ax_hit, ax_p90 = axes[0][col], axes[1][col]
@@ -80,9 +94,10 @@ def plot_sweep(reports: list[dict[str, Any]], path: str | Path, title: str) -> N
             if all(y is not None for y in ys):
                 ax_hit.plot(rates, [y * 100 for y in ys], color="crimson", linestyle=ls, linewidth=1.0, label=label)
         blocks = reps[0]["config"].get("num_blocks_per_replica")
-        ax_hit.set_title(f"{_short(pre)} ({blocks} blocks a replica): hit rate")
+        tier = f", host {host:g} GiB" if host else ""
+        ax_hit.set_title(f"{_short(pre)} ({blocks} GPU blocks a replica{tier}): hit rate", fontsize=9)
         ax_hit.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
-        ax_p90.set_title(f"{_short(pre)}: p90 TTFT")
+        ax_p90.set_title(f"{_short(pre)}{tier}: p90 TTFT", fontsize=9)
         ax_p90.set_ylabel("p90 TTFT (s, log)")
         ax_p90.set_yscale("log")
         for ax in (ax_hit, ax_p90):
@@ -104,12 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--workload", help="generated workload (see python -m bench.sim --help)")
     ap.add_argument("--rates", default="0.25,0.5,1,2", help="comma list of rate scales (0.25,0.5,1,2)")
     ap.add_argument("--presets", default=",".join(sorted(PRESETS)), help="comma list of presets (both)")
+    ap.add_argument("--kv-offloading-sizes", default=None, metavar="GIB,...",
+                    help="comma list of host-memory KV tier sizes per replica in GiB (0: none); "
+                         "default: no tier, and no size in the report names")
     ap.add_argument("--out", required=True, help="folder of the reports and the figure")
     ap.add_argument("--force", action="store_true", help="re-run points whose report exists")
     ap.add_argument("--update", action="store_true",
                     help="re-run only --policies into the existing reports (python -m bench.sim --update)")
     args, rest = ap.parse_known_args(argv)
-    for flag in ("--rate-scale", "--preset", "--json", "--plot", "--update"):
+    for flag in ("--rate-scale", "--preset", "--json", "--plot", "--update", "--kv-offloading-size"):
         if any(a == flag or a.startswith(flag + "=") for a in rest):
             raise SystemExit(f"{flag} is set by the sweep itself")
     try:
@@ -118,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--rates: not a comma list of numbers: {args.rates!r}") from None
     if not all(math.isfinite(x) for x in rates):
         raise SystemExit(f"--rates must be finite: {args.rates!r}")
+    try:
+        sizes: list[float | None] = [None]
+        if args.kv_offloading_sizes is not None:
+            sizes = [*sorted({float(x) for x in args.kv_offloading_sizes.split(",") if x.strip()})]
+    except ValueError:
+        raise SystemExit(f"--kv-offloading-sizes: not a comma list of numbers: {args.kv_offloading_sizes!r}") from None
+    if not sizes or any(x is not None and not (math.isfinite(x) and x >= 0) for x in sizes):
+        raise SystemExit(f"--kv-offloading-sizes must be finite GiB >= 0: {args.kv_offloading_sizes!r}")
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     unknown = [p for p in presets if p not in PRESETS]
     if unknown or not presets or not rates or min(rates) <= 0:
@@ -128,33 +154,35 @@ def main(argv: list[str] | None = None) -> int:
     name = None
     reports = []
     t0 = time.perf_counter()
-    for pre in presets:
-        for rate in rates:
-            sim_args = build_parser().parse_args([*source, *rest, "--preset", pre, "--rate-scale", f"{rate:g}"])
-            name = name or _workload_name(sim_args)
-            path = report_path(out, name, pre, rate)
-            if args.update:
-                if not path.exists():
-                    raise SystemExit(f"--update: no report at {path}; run the sweep without it first")
-                sim_args.update = str(path)
-            elif path.exists() and not args.force:
-                print(f"[sweep] keeping {path}", file=sys.stderr, flush=True)
-                reports.append(json.loads(path.read_text(encoding="utf-8")))
-                continue
-            print(f"[sweep] {name} {_short(pre)} x{rate:g} ({time.perf_counter() - t0:.0f} s so far)",
-                  file=sys.stderr, flush=True)
-            rep = run(sim_args)
-            tmp = path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(rep, indent=1), encoding="utf-8")
-            os.replace(tmp, path)
-            reports.append(rep)
+    points = [(pre, host, rate) for pre in presets for host in sizes for rate in rates]
+    for pre, host, rate in points:
+        tier = [] if host is None else ["--kv-offloading-size", f"{host:g}"]
+        sim_args = build_parser().parse_args([*source, *rest, *tier, "--preset", pre, "--rate-scale", f"{rate:g}"])
+        name = name or _workload_name(sim_args)
+        path = report_path(out, name, pre, rate, host)
+        if args.update:
+            if not path.exists():
+                raise SystemExit(f"--update: no report at {path}; run the sweep without it first")
+            sim_args.update = str(path)
+        elif path.exists() and not args.force:
+            print(f"[sweep] keeping {path}", file=sys.stderr, flush=True)
+            reports.append(json.loads(path.read_text(encoding="utf-8")))
+            continue
+        print(f"[sweep] {name} {_short(pre)}{'' if host is None else f' host {host:g} GiB'} x{rate:g} "
+              f"({len(reports) + 1}/{len(points)}, {time.perf_counter() - t0:.0f} s so far)",
+              file=sys.stderr, flush=True)
+        rep = run(sim_args)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(rep, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+        reports.append(rep)
     assert name is not None  # presets and rates are not empty
     # The figure and the table cover every report of this workload in OUT (other presets too).
-    done = {report_path(out, name, r["config"]["preset"], r["config"]["rate_scale"]) for r in reports}
+    done = {path.resolve() for path in (report_path(out, name, p, r, h) for p, h, r in points)}
     for path in sorted(out.glob(f"{name}_*_x*.json")):
-        if path not in done:
+        if path.resolve() not in done:
             reports.append(json.loads(path.read_text(encoding="utf-8")))
-    reports.sort(key=lambda r: (r["config"]["preset"], r["config"]["rate_scale"]))
+    reports.sort(key=lambda r: (*_column(r), r["config"]["rate_scale"]))
     figure = out / f"{name}_sweep.png"
     plot_sweep(reports, figure, f"{name}: every policy against load ({len(reports)} runs)")
     print(summary_table(reports))

@@ -1,0 +1,213 @@
+"""The simulator's host-memory KV tier: vLLM's CPU offloading in the replica model, its events, the peers' tier
+weights, the two-tier bound and the command line."""
+
+from __future__ import annotations
+
+import json
+import random
+from array import array
+
+import numpy as np
+import pytest
+
+from bench.sim.bounds import cache_hit_rates
+from bench.sim.cli import main
+from bench.sim.event_path import EventPath
+from bench.sim.host_tier import HostTier
+from bench.sim.latency import GIB, PRESETS
+from bench.sim.policies import POLICIES, DynamoPolicy, LlmDPolicy, RouterContext, make_policy
+from bench.sim.replica import EngineConfig, Replica, ReqState
+from bench.sim.workload import SimRequest
+from routing.block_keys import block_keys
+from routing.events import BlockRemoved, BlockStored
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # ray.serve import noise
+
+LAT = PRESETS["4090-qwen2.5-7b-fp16"].latency
+BS = 16
+
+
+def toks(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 50_000) for _ in range(n)]
+
+
+def state(i: int, prompt: list[int], max_tokens: int = 1) -> ReqState:
+    out = [900_000 + i] * max_tokens
+    req = SimRequest(i, 0.0, ((i, len(prompt)),), i, len(prompt), max_tokens)
+    req.keys = array("Q", block_keys(prompt + out, BS))
+    return ReqState(req, 0.0, tokens=np.array(prompt + out, dtype=np.uint32))
+
+
+def replica(num_blocks: int, host_blocks: int, events: bool = False) -> Replica:
+    return Replica(0, EngineConfig(num_blocks=num_blocks, block_size=BS, max_num_batched_tokens=2048, max_num_seqs=8,
+                                   max_model_len=16_384, host_blocks=host_blocks), LAT, enable_events=events)
+
+
+def run(rep: Replica, st: ReqState, now: float = 0.0) -> float:
+    """Serve one request to its end as the cluster loop would (idle while a load is in flight); the end time."""
+    rep.add(st)
+    while rep.has_work():
+        d = rep.schedule(now)
+        if d is None:
+            nxt = rep.next_load_done()
+            assert nxt is not None and nxt > now, "replica stalled with work"
+            now = nxt
+            continue
+        now += d
+        rep.finish_step(now)
+    return now
+
+
+def test_host_tier_is_an_lru_of_the_blocks_computed() -> None:
+    host = HostTier(4, BS)
+    events: list = []
+    host.store([1, 2, 3], None, list(range(3 * BS)), None, events)
+    host.store([3, 4, 5], 2, list(range(3 * BS)), None, events)  # 3 again: used, not stored
+    assert list(host.blocks) == [2, 3, 4, 5] and host.evictions == 1
+    assert host.run([2, 3, 4, 9], 0, 4) == 3 and host.run([2, 3, 4], 1, 2) == 1
+    host.load([2])
+    assert list(host.blocks) == [3, 4, 5, 2]
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert [(e.block_hashes, e.parent_block_hash, e.medium, len(e.token_ids)) for e in stored] == [
+        ([1, 2, 3], None, "CPU", 3 * BS), ([4, 5], 3, "CPU", 2 * BS)]
+    assert [(e.block_hashes, e.medium) for e in events if isinstance(e, BlockRemoved)] == [([1], "CPU")]
+    placeholders: list = []
+    HostTier(4, BS, self_describing=False).store([1, 2], None, None, None, placeholders)
+    assert [(e.block_hashes, e.token_ids, e.block_size, e.parent_block_hash) for e in placeholders] == [
+        ([1, 2], [], 0, None)]
+
+
+def test_a_prompt_evicted_from_gpu_loads_from_host_memory_over_the_link() -> None:
+    """GPU of 20 usable blocks, host of 100. A (8 blocks) is computed, B (12) and C (12) push it out
+    of the GPU; A again loads its 8 blocks from the host tier: they count as cached, and its first
+    token waits for the copy (8 * 16 tokens of 57,344 bytes at 80 % of PCIe 4.0 x16)."""
+    rep = replica(21, 100)
+    a = toks(1, 8 * BS + 3)
+    run(rep, state(0, a))
+    run(rep, state(1, toks(2, 12 * BS + 1)))
+    run(rep, state(2, toks(3, 12 * BS + 1)))
+    assert rep.pool.longest_hit(block_keys(a, BS), 8) == []  # gone from the GPU ...
+    assert rep.host.run(block_keys(a, BS), 0, 8) == 8  # ... kept in host memory
+    again = state(3, a)
+    start = 10.0
+    end = run(rep, again, start)
+    assert again.cached_tokens == again.host_cached_tokens == 8 * BS
+    load = 8 * BS * 57_344 / (16 * 16e9 * 128 / 130 / 8 * 0.8)
+    assert LAT.host_load_time(8 * BS) == pytest.approx(load)
+    assert again.first_token_s - start >= load and again.first_token_s - start < load + 0.1
+    assert rep.host.loads == 8 and end >= again.first_token_s
+    # Loaded blocks are cached on GPU again: a fourth turn hits them there.
+    fourth = state(4, a)
+    run(rep, fourth, end)
+    assert fourth.cached_tokens == 8 * BS and fourth.host_cached_tokens == 0
+
+
+def test_without_a_host_tier_the_evicted_prompt_is_recomputed() -> None:
+    rep = replica(21, 0)
+    a = toks(1, 8 * BS + 3)
+    for i, p in enumerate((a, toks(2, 12 * BS + 1), toks(3, 12 * BS + 1))):
+        run(rep, state(i, p))
+    again = state(3, a)
+    run(rep, again)
+    assert again.cached_tokens == 0 and rep.host is None
+
+
+def test_host_events_reach_our_index_and_dynamos_second_tree() -> None:
+    from routing.index import BlockIndex
+
+    rep = replica(21, 100, events=True)
+    a = toks(4, 8 * BS + 3)
+    run(rep, state(0, a))
+    for i in (1, 2):
+        run(rep, state(i, toks(10 + i, 12 * BS + 1)))
+    events = rep.pool.take_events()
+    assert any(isinstance(e, BlockStored) and e.medium == "CPU" for e in events)
+    keys = list(block_keys(a, BS))[:8]
+    ours = BlockIndex()
+    path = EventPath(ours, 0.0)
+    path.deliver(rep.id, path.publish(rep.id, events, 0.0)[1], 0.0)
+    assert ours.match_tiers(keys, (rep.id,), 0.0) == {rep.id: (0, 8)}
+    dyn = DynamoPolicy()
+    dyn.setup(RouterContext(replicas=[rep], block_size=BS, max_ongoing_requests=128, rng=random.Random(0)))
+    path = EventPath(dyn.index, 0.0)
+    path.deliver(rep.id, path.publish(rep.id, events, 0.0)[1], 0.0)
+    assert dyn.index.match(keys, (rep.id,), 0.0) == {rep.id: 0}
+    assert dyn.index.match_host(keys, (rep.id,)) == {rep.id: 8}
+
+
+def test_peers_weigh_host_blocks_as_published() -> None:
+    """llm-d: gpu 1.0, cpu 0.8 a block; Dynamo: host blocks beyond the device match at 0.75."""
+    reps = [Replica(i, EngineConfig(num_blocks=1000, block_size=BS, host_blocks=1000), LAT) for i in range(3)]
+    prompt = toks(5, 40 * BS)
+    keys = block_keys(prompt, BS)
+    req = SimRequest(0, 0.0, ((0, len(prompt)),), 0, len(prompt), 4)
+    req.keys = block_keys(prompt + [0] * 4, BS)
+
+    def stored(n: int, medium: str) -> BlockStored:
+        return BlockStored(block_hashes=keys[:n].tolist(), parent_block_hash=None, token_ids=prompt[: n * BS],
+                           block_size=BS, lora_id=None, medium=medium, lora_name=None, group_idx=0)
+
+    # replica-0: 10 blocks on GPU; replica-1: 12 in host memory only; replica-2: nothing.
+    llm = LlmDPolicy()
+    llm.setup(RouterContext(replicas=reps, block_size=BS, max_ongoing_requests=128, rng=random.Random(0)))
+    dyn = DynamoPolicy()
+    dyn.setup(RouterContext(replicas=reps, block_size=BS, max_ongoing_requests=128, rng=random.Random(0)))
+    for policy in (llm, dyn):
+        for rid, ev in (("replica-0", stored(10, "GPU")), ("replica-1", stored(12, "CPU"))):
+            path = EventPath(policy.index, 0.0)
+            path.deliver(rid, path.publish(rid, [ev], 0.0)[1], 0.0)
+    # llm-d: 12 * 0.8 = 9.6 < 10: the GPU holder wins on prefix score (all else equal).
+    assert llm.choose(req, [0, 1, 2], 1.0) == 0
+    # Dynamo: credits 10 against 0.75 * 12 = 9: the GPU holder has the lower cost.
+    assert dyn.choose(req, [0, 1, 2], 1.0) == 0
+    dyn.prefill_tokens[0] += 1000  # its queue outweighs the difference
+    assert dyn.choose(req, [0, 1, 2], 1.0) == 1
+
+
+def test_pooled_bound_covers_both_tiers() -> None:
+    from bench.sim.generators import generate
+
+    wl = generate("chat", 300, seed=3)
+    small = cache_hit_rates(wl, BS, 3 * 200, None)
+    both = cache_hit_rates(wl, BS, 3 * (200 + 600), None)
+    assert small["pooled_cache_hit_rate"] < both["pooled_cache_hit_rate"] <= both["unbounded_cache_hit_rate"]
+
+
+def test_cli_host_tier_option_and_report(tmp_path) -> None:
+    common = ["--workload", "chat", "--num-requests", "120", "--replicas", "3", "--rate-scale", "2",
+              "--preset", "4090-qwen2.5-7b-fp16", "--num-blocks", "300", "--no-progress", "--seed", "2",
+              "--policies", "round_robin,prefix_affinity_tier_blind,prefix_affinity"]
+    assert main([*common, "--json", str(tmp_path / "none.json")]) == 0
+    assert main([*common, "--kv-offloading-size", "0.5", "--json", str(tmp_path / "host.json")]) == 0
+    none, host = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("none", "host"))
+    blocks = int(0.5 * GIB) // (BS * LAT.model.kv_bytes_per_token)
+    assert host["config"]["host_blocks_per_replica"] == blocks == 585
+    assert host["config"]["kv_offloading_size_gib"] == 0.5 and none["config"]["host_blocks_per_replica"] == 0
+    assert host["bounds"]["pooled_cache_hit_rate"] >= none["bounds"]["pooled_cache_hit_rate"]
+    for name in ("round_robin", "prefix_affinity"):
+        assert none["policies"][name]["host_hit_rate"] == 0.0
+        p = host["policies"][name]
+        assert 0.0 <= p["host_hit_rate"] <= p["hit_rate"]
+        assert p["extra"]["host_loaded_blocks"] * BS >= p["host_cached_tokens"]
+    # Without a tier, pricing tiers changes nothing: the variant and ours make the same decisions.
+    blind, ours = (dict(none["policies"][n]) for n in ("prefix_affinity_tier_blind", "prefix_affinity"))
+    for d in (blind, ours):
+        d.pop("sim_wall_s")
+    assert blind == ours
+    # Round-robin routes alike with and without the tier: the bigger cache can only add hits.
+    assert host["policies"]["round_robin"]["hit_rate"] >= none["policies"]["round_robin"]["hit_rate"]
+    assert host["policies"]["prefix_affinity"]["host_hit_rate"] > 0
+    with pytest.raises(SystemExit, match="kv-offloading-size"):
+        main([*common, "--kv-offloading-size", "-1"])
+
+
+def test_tier_blind_variant_is_ours_with_pricing_off() -> None:
+    assert list(POLICIES)[-2:] == ["prefix_affinity_tier_blind", "prefix_affinity"]
+    reps = [Replica(i, EngineConfig(num_blocks=100, block_size=BS), LAT) for i in range(2)]
+    c = RouterContext(replicas=reps, block_size=BS, max_ongoing_requests=128, rng=random.Random(0))
+    blind, ours = make_policy("prefix_affinity_tier_blind"), make_policy("prefix_affinity")
+    blind.setup(c)
+    ours.setup(c)
+    assert blind.router.policy.price_tiers is False and ours.router.policy.price_tiers is True
+
