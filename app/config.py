@@ -22,6 +22,7 @@ from routing import defaults
 from routing.affinity import AffinityRouter
 from routing.index import BlockIndex
 from routing.policy import PolicyConfig
+from routing.tiers import HOST_LINK_BYTES_PER_S
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,6 +48,20 @@ class EngineConfig(_Strict):
     max_num_batched_tokens: int | None = Field(None, ge=1, description="chunked-prefill token budget per step")
     enforce_eager: bool = Field(True, description="skip graph capture (CPU and quick starts)")
     seed: int = 0
+    kv_offloading_size: float | None = Field(
+        None, gt=0.0,
+        description="host-memory KV tier per engine in GiB, as vLLM's --kv-offloading-size (with tensor "
+                    "parallelism, summed over the ranks); pinned host memory the node must have beside vLLM "
+                    "and Ray. None: no tier. Needs the GPU build of vLLM (see build_app)",
+    )
+    kv_offloading_backend: Literal["native", "lmcache"] = Field(
+        "native", description="vLLM's --kv-offloading-backend; 'native' publishes the tier's KV events",
+    )
+    kv_offloading_blocks_per_chunk: int = Field(
+        1, ge=1, le=1024,
+        description="engine blocks per offloaded chunk (the native connector's blocks_per_chunk); a chunk is "
+                    "loaded whole, and routers count host hits in whole chunks",
+    )
 
     @model_validator(mode="after")
     def _fits(self) -> EngineConfig:
@@ -128,6 +143,11 @@ class RouterConfig(_Strict):
         defaults.STALE_EVENTS_S, gt=0.0,
         description="a replica silent this long with work in flight is routed by load only",
     )
+    host_link_gb_per_s: float = Field(
+        HOST_LINK_BYTES_PER_S / 1e9, gt=0.0,
+        description="host-to-GPU copy bandwidth of the engines' nodes in GB/s (10^9 bytes), which prices a "
+                    "prefix hit in an engine's host-memory KV tier; default PCIe 4.0 x16 (routing.tiers)",
+    )
 
     def affinity_router(self, rng: random.Random | None = None, index: BlockIndex | None = None) -> AffinityRouter:
         """A fresh ``routing.affinity.AffinityRouter`` with these knobs.
@@ -145,7 +165,7 @@ class RouterConfig(_Strict):
         return AffinityRouter(index, load_factor=self.load_factor,
                               predicted_ttl_s=self.predicted_ttl_s,
                               queued_predicted_ttl_s=self.queued_predicted_ttl_s, stale_events_s=self.stale_events_s,
-                              rng=rng, policy=policy)
+                              rng=rng, policy=policy, host_link_bytes_per_s=self.host_link_gb_per_s * 1e9)
 
 
 class TracingConfig(_Strict):

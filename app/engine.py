@@ -12,6 +12,15 @@ port clashes and nothing listens on every interface. The relay's endpoints,
 together with the engine's load (running and waiting requests, KV-cache usage),
 capacity and readiness, are reported through Serve's ``record_routing_stats``
 so every request router finds them on ``RunningReplica.routing_stats``.
+
+With a host-memory KV tier (``engine.kv_offloading_size``, vLLM's
+``OffloadingConnector``), the engine publishes the tier's stores and evictions
+in the same event stream (``medium="CPU"``, self-describing); the relay follows
+both tiers, and the routing stats carry the tier's size, the KV bytes a token
+(the router prices a host hit by them) and the blocks per offloaded chunk.
+Before its first request the replica asks the engine core for its KV-cache
+groups and has the relay follow the one that decides a prefix hit
+(``routing.relay.hit_group``: the full-attention group of a hybrid model).
 """
 
 from __future__ import annotations
@@ -32,10 +41,13 @@ from app.config import AppArgs
 from app.protocol import (
     STAT_BLOCK_SIZE,
     STAT_EVENTS_ENDPOINT,
+    STAT_HOST_BLOCKS_PER_CHUNK,
+    STAT_KV_BYTES_PER_TOKEN,
     STAT_KV_USAGE,
     STAT_LORA_ADAPTERS,
     STAT_METRICS_TARGET,
     STAT_NUM_GPU_BLOCKS,
+    STAT_NUM_HOST_BLOCKS,
     STAT_NUM_RUNNING,
     STAT_NUM_WAITING,
     STAT_READY,
@@ -47,10 +59,26 @@ from app.protocol import (
     EngineSummary,
     FirstOutput,
 )
+from routing.tiers import Tier
 
 logger = logging.getLogger("prefix_serve.engine")
 _DONE = "data: [DONE]\n\n"  # the last SSE event of every vLLM stream
 WARMUP_RETRY_S = 5.0  # a failed warm-up is tried again this long after the last try
+
+
+def kv_bytes_per_token(vllm_config) -> int:
+    """KV-cache bytes of one token on one GPU: K and V of every layer this rank holds.
+
+    ``2 * layers * kv_heads (this rank's) * head_size * bytes of the cache dtype``, from
+    vLLM's model config; the bytes a host-tier hit copies over each GPU's link, a token.
+    Models whose caches are not K and V per layer (MLA, Mamba) are approximated by it.
+    """
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE, get_dtype_size
+
+    model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    dtype = model.dtype if cache.cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype]
+    return (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel) * model.get_head_size()
+            * get_dtype_size(dtype))
 
 
 def _make_load_logger(sink: dict[str, float]):
@@ -114,6 +142,15 @@ class VLLMEngine:
         self.num_gpu_blocks = int(self.engine.vllm_config.cache_config.num_gpu_blocks or 0) or None
         # Configured adapters are loaded before this replica serves its first request.
         self.configured_adapters = frozenset(m.name for m in cfg.serving.lora_modules)
+        self.host_tier: dict[str, Any] = {}
+        if cfg.engine.kv_offloading_size is not None:
+            per_token = kv_bytes_per_token(self.engine.vllm_config)
+            tp = cfg.engine.tensor_parallel_size
+            # vLLM's cpu_bytes_to_use (kv_offloading_size GiB, summed over the TP ranks) in engine blocks.
+            blocks = int(cfg.engine.kv_offloading_size * (1 << 30)) // (self.block_size * per_token * tp)
+            self.host_tier = {STAT_NUM_HOST_BLOCKS: blocks, STAT_KV_BYTES_PER_TOKEN: per_token,
+                              STAT_HOST_BLOCKS_PER_CHUNK: cfg.engine.kv_offloading_blocks_per_chunk}
+        self.kv_cache_groups: list[dict[str, Any]] = []
         from routing.relay_server import RelayServer
 
         sources = self.engine.get_kv_event_sources()
@@ -149,6 +186,7 @@ class VLLMEngine:
         async with self._warmup_lock:
             if self._warmed:
                 return
+            await self._follow_hit_group()
             prompt = TokensPrompt(prompt_token_ids=[1 + i % 100 for i in range(2 * self.block_size)],
                                   cache_salt=f"prefix-serve-warmup-{uuid.uuid4().hex}")
             async for _ in self.engine.generate(prompt, SamplingParams(max_tokens=1), f"warmup-{uuid.uuid4().hex}"):
@@ -156,6 +194,25 @@ class VLLMEngine:
             await self.frontend.load_adapters()
             self._warmed = True
             logger.info("engine replica %s warmed up", self.replica_id)
+
+    async def _follow_hit_group(self) -> None:
+        """Have the relay follow the KV-cache group that decides a prefix hit, before any request
+        (so no event of another group is keyed). vLLM's engine core describes its groups
+        (``get_kv_cache_group_metadata``, kept for external event consumers); an engine that cannot
+        answer keeps group 0, which is right for every model of one attention kind."""
+        from routing.relay import hit_group
+
+        try:
+            self.kv_cache_groups = list(await self.engine.engine_core.call_utility_async(
+                "get_kv_cache_group_metadata"))
+        except Exception as e:  # noqa: BLE001 - an older engine core: keep group 0
+            logger.warning("engine replica %s: no KV-cache group metadata (%r); the relay follows group 0",
+                           self.replica_id, e)
+            return
+        group = hit_group(self.kv_cache_groups)
+        if await asyncio.wrap_future(self.relay.follow_group(group)):
+            logger.info("engine replica %s: the relay follows KV-cache group %d of %s", self.replica_id, group,
+                        self.kv_cache_groups)
 
     def _ensure_warm_up(self) -> None:
         """Start the warm-up in the background unless it is done or running; a failed
@@ -267,6 +324,7 @@ class VLLMEngine:
             STAT_METRICS_TARGET: self.metrics_target,
             STAT_LORA_ADAPTERS: sorted(self.configured_adapters | set(self.frontend.models.lora_requests)),
             STAT_NUM_GPU_BLOCKS: self.num_gpu_blocks,
+            **self.host_tier,
             **self._load,
         }
 
@@ -284,7 +342,9 @@ class VLLMEngine:
         """The relay's endpoints, epoch, last seq, keys held and counters."""
         r = self.relay
         return {"events": r.events_endpoint, "snapshot": r.snapshot_endpoint, "epoch": r.epoch, "seq": r.seq,
-                "keys": len(r.relay), "stats": dict(r.stats), "relay": r.relay.stats.as_dict(), "alive": r.alive()}
+                "keys": len(r.relay), "host_keys": r.relay.num_keys(Tier.HOST), "group_idx": r.relay.group_idx,
+                "kv_cache_groups": self.kv_cache_groups, "stats": dict(r.stats), "relay": r.relay.stats.as_dict(),
+                "alive": r.alive()}
 
     async def check_health(self) -> None:
         await self.engine.check_health()

@@ -53,6 +53,17 @@ def engine_args(cfg: AppArgs, kv_events_topic: str | None = None, otlp_traces_en
         # tcp://*:0: vLLM binds this node's IP (VLLM_HOST_IP) and an ephemeral port.
         events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:0",
                                 replay_endpoint="tcp://*:0", topic=kv_events_topic)
+    offload: dict[str, Any] = {}
+    if engine.kv_offloading_size is not None and kv_events_topic is not None:  # the render-only config has none
+        offload = dict(kv_offloading_size=engine.kv_offloading_size, kv_offloading_backend=engine.kv_offloading_backend)
+        if engine.kv_offloading_backend == "native":
+            # vLLM adds the OffloadingConnector and cpu_bytes_to_use to this config
+            # (VllmConfig._post_init_kv_transfer_config). Self-describing events carry each
+            # offloaded block's tokens and parent, so the relay keys a host block it never saw on GPU.
+            from vllm.config import KVTransferConfig
+
+            offload["kv_transfer_config"] = KVTransferConfig(kv_connector_extra_config={
+                "self_describing_kv_events": True, "blocks_per_chunk": engine.kv_offloading_blocks_per_chunk})
     return AsyncEngineArgs(
         model=cfg.resolved_model(),
         tokenizer=cfg.resolved_tokenizer(),
@@ -74,6 +85,7 @@ def engine_args(cfg: AppArgs, kv_events_topic: str | None = None, otlp_traces_en
         otlp_traces_endpoint=otlp_traces_endpoint,
         reasoning_parser=serving.reasoning_parser or "",
         kv_events_config=events,
+        **offload,
         **lora,
     )
 

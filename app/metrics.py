@@ -12,6 +12,8 @@ import weakref
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from routing.tiers import TIER_LABELS
+
 DECISIONS = Counter("prefix_serve_router_decisions", "Routing decisions by reason", ["reason"])
 FALLBACKS = Counter(
     "prefix_serve_router_fallbacks",
@@ -19,13 +21,19 @@ FALLBACKS = Counter(
 )
 PROMPT_TOKENS = Counter("prefix_serve_router_prompt_tokens", "Prompt tokens of routed requests")
 PREDICTED_CACHED = Counter(
-    "prefix_serve_router_predicted_cached_tokens", "Prompt tokens predicted to hit the chosen replica's prefix cache"
+    "prefix_serve_router_predicted_cached_tokens",
+    "Prompt tokens predicted to hit the chosen replica's prefix cache, by the KV-cache tier that holds them "
+    "(gpu, or host: loaded from the engine's host-memory tier)", ["tier"],
 )
+for _tier in TIER_LABELS.values():  # both series from 0, so increase() sees a tier's first hit
+    PREDICTED_CACHED.labels(tier=_tier)
 ROUTING_SECONDS = Histogram(
     "prefix_serve_router_decision_seconds", "Time to key, look up and score one request",
     buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2),
 )
-INDEXED_BLOCKS = Gauge("prefix_serve_index_blocks", "Block keys held in the router's index")
+INDEXED_BLOCKS = Gauge("prefix_serve_index_blocks", "Block keys held in the router's index on GPU")
+INDEXED_HOST_BLOCKS = Gauge("prefix_serve_index_host_blocks",
+                            "Block keys held in the router's index in engines' host-memory KV tiers")
 INDEX_BYTES = Gauge("prefix_serve_index_bytes", "Approximate memory of the router's index in bytes")
 EVENT_LAG = Gauge("prefix_serve_kv_event_lag_seconds", "Publish-to-apply lag of the last KV event batch")
 EVENT_COUNTERS = Gauge("prefix_serve_kv_events", "Event-path counters (cumulative), errors as errors_<cause>", ["kind"])

@@ -39,6 +39,10 @@ STAT_NUM_GPU_BLOCKS = "num_gpu_blocks"  # KV-cache capacity in blocks, null bloc
 STAT_STARTED_AT = "engine_started_at"
 STAT_METRICS_TARGET = "metrics_target"  # host:port of the replica's Prometheus endpoint
 STAT_LORA_ADAPTERS = "lora_adapters"  # names of the adapters loaded in the engine
+# With a host-memory KV tier (engine.kv_offloading_size); routing.affinity reads them by these names.
+STAT_NUM_HOST_BLOCKS = "num_host_blocks"  # its capacity in engine blocks (absent or 0: no host tier)
+STAT_KV_BYTES_PER_TOKEN = "kv_bytes_per_token"  # KV bytes of one token on one GPU (prices a host-tier load)
+STAT_HOST_BLOCKS_PER_CHUNK = "host_blocks_per_chunk"  # engine blocks per offloaded chunk (loaded whole)
 
 
 @dataclass(slots=True)

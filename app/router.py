@@ -54,6 +54,7 @@ from routing.affinity import Candidate, with_adapter
 from routing.block_keys import block_keys
 from routing.policy import Decision
 from routing.subscriber import EventSubscriber
+from routing.tiers import TIER_LABELS, Tier
 
 logger = logging.getLogger("prefix_serve.router")
 _MAX_PENDING = 100_000
@@ -252,10 +253,11 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             routed = self.core.routed(internal_id, uid, keys, prompt_len, block_size, decision, time.time(),
                                       self.subscriber.last_event_at(uid))
             metrics.INDEXED_BLOCKS.set(self.index.num_keys)
-        predicted, reason = routed.predicted_cached_tokens, routed.reason
+        predicted, reason, host = routed.predicted_cached_tokens, routed.reason, routed.predicted_host_tokens
         metrics.DECISIONS.labels(reason=reason).inc()
         metrics.PROMPT_TOKENS.inc(prompt_len)
-        metrics.PREDICTED_CACHED.inc(predicted)
+        metrics.PREDICTED_CACHED.labels(tier=TIER_LABELS[Tier.GPU]).inc(predicted - host)
+        metrics.PREDICTED_CACHED.labels(tier=TIER_LABELS[Tier.HOST]).inc(host)
         request = pending_request.args[0]
         with self._inflight_lock:
             self._awaiting_first[request.request_id] = (uid, internal_id)
@@ -266,6 +268,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             "replica_id": uid,
             "reason": reason,
             "matched_tokens": predicted,
+            "matched_tokens_by_tier": {TIER_LABELS[Tier.GPU]: predicted - host, TIER_LABELS[Tier.HOST]: host},
             "best_alternative_matched_tokens": decision.best_alternative_matched_tokens,
             "predicted_ttft_s": decision.costs.get(uid),
             "prompt_tokens": prompt_len,
@@ -288,6 +291,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             "prefix_serve.route.replica_id": d["replica_id"],
             "prefix_serve.route.reason": d["reason"],
             "prefix_serve.route.matched_tokens": d["matched_tokens"],
+            "prefix_serve.route.host_tokens": d.get("matched_tokens_by_tier", {}).get(TIER_LABELS[Tier.HOST], 0),
             "prefix_serve.route.best_alternative_matched_tokens": d["best_alternative_matched_tokens"],
             "prefix_serve.route.prompt_tokens": d["prompt_tokens"],
             "prefix_serve.route.candidates": d["candidates"],
@@ -331,6 +335,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.subscriber.ensure_running()
         with self.lock:
             metrics.INDEXED_BLOCKS.set(self.index.num_keys)
+            metrics.INDEXED_HOST_BLOCKS.set(self.index.num_host_keys)
             metrics.INDEX_BYTES.set(self.index.memory_bytes())
             index_stats = self.index.stats.as_dict()
         metrics.EVENT_LAG.set(self.subscriber.last_lag_s)
@@ -391,10 +396,13 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         """State for operators and tests: per-replica blocks, lag, counters."""
         with self.lock:
             per_replica = {uid: self.index.replica_blocks(uid) for uid in self.index.replicas()}
+            per_replica_host = {uid: self.index.replica_host_blocks(uid) for uid in self.index.replicas()}
             snap: dict[str, Any] = {
                 "indexed_blocks": self.index.num_keys,
+                "indexed_host_blocks": self.index.num_host_keys,
                 "index_bytes": self.index.memory_bytes(),
                 "replica_blocks": per_replica,
+                "replica_host_blocks": per_replica_host,
                 "index_stats": self.index.stats.as_dict(),
             }
         snap["subscribed"] = self.subscriber.endpoints()

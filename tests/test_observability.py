@@ -245,6 +245,10 @@ def test_prometheus_scrapes_hit_rate_and_engine_series(app, prometheus):
     assert result and float(result[0]["value"][1]) == pytest.approx(expected_rate)
     router = _query(prometheus, "sum(prefix_serve_router_predicted_cached_tokens_total)")
     assert router and float(router[0]["value"][1]) >= cached_tokens
+    # By tier: these engines have no host-memory tier, so every predicted hit is a GPU one.
+    tiers = {r["metric"]["tier"]: float(r["value"][1]) for r in _query(
+        prometheus, "sum by (tier) (prefix_serve_router_predicted_cached_tokens_total)")}
+    assert tiers["host"] == 0 and tiers["gpu"] == float(router[0]["value"][1])
     # The router's gauges are refreshed on every scrape of a replica's own endpoint.
     alive = _query(prometheus, "min(prefix_serve_kv_event_path_alive)")
     blocks = _query(prometheus, "max(prefix_serve_index_blocks)")
@@ -270,7 +274,7 @@ def test_grafana_dashboard_references_only_exported_series(app, prometheus):
     assert targets and targets[0]["targets"]
     exported |= _families(httpx.get(f"http://{targets[0]['targets'][0]}/metrics", timeout=10).text)
     functions = {"sum", "rate", "max", "min", "by", "histogram_quantile", "le", "replica", "reason", "cause", "kind",
-                 "route", "status"}
+                 "route", "status", "scalar", "tier"}
     for panel in dash["panels"]:
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
