@@ -162,8 +162,9 @@ from routing.affinity import Candidate
 from routing.block_keys import ROOT_SEED, block_keys, chain_keys
 from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineBlockHash, decode_batch, encode_batch
 from routing.index import BlockIndex
-from routing.key_events import KeysStored, decode_key_frames, encode_key_frames, keys_to_bytes
+from routing.key_events import KeysStored, decode_key_frames, encode_key_frames, keys_from_bytes, keys_to_bytes
 from routing.relay import KeyRelay
+from routing.tiers import Tier
 
 NUM_REPLICAS = 16
 VOCAB = 151_000
@@ -552,7 +553,7 @@ def prompts(docs: Sequence[Sequence[int]], prompt_len: int, count: int, seed: in
 
 def bench_lookup(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: int, prompt_len: int, n: int,
                  blind_window: bool, replicas: Sequence[str] | None = None,
-                 dynamo: tuple[Any, Any] | None = None) -> dict:
+                 dynamo: tuple[Any, Any] | None = None, host_tier: bool = False) -> dict:
     """Per-request router work for ``n`` prompts of ``prompt_len`` tokens, on the live router's code path.
 
     Timed as the lookup, as ``app/router.py`` runs it per request: ``block_keys``
@@ -582,6 +583,11 @@ def bench_lookup(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: i
     ours is also timed as the index part alone, in the same turns
     (``result["keys_and_match"]``: ``block_keys`` + ``BlockIndex.match`` over the
     candidates), the like of Dynamo's hash + ``find_matches``.
+
+    ``host_tier``: the replicas have host-memory KV tiers (the index holds keys on
+    both tiers, ``add_host_tiers``): their routing stats say so, so the lookup
+    walks both tiers and prices host hits, and the index part is ``block_keys`` +
+    ``BlockIndex.match_tiers``.  Dynamo's side stays its one-tier lookup.
     """
     if dynamo is not None and blind_window:
         raise ValueError("Dynamo has no blind window: compare without it")
@@ -593,6 +599,9 @@ def bench_lookup(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: i
         router.inflight[rid] = {(r, j): rng.choice((0, rng.randrange(1, 4096))) for j in range(rng.randrange(8))}
         stats[rid] = {"num_running": len(router.inflight[rid]), "num_waiting": rng.randrange(2),
                       "kv_cache_usage": rng.random()}
+        if host_tier:  # a 32 GiB tier of Qwen2.5-7B's 57,344-byte tokens, as app.engine reports it
+            stats[rid].update(num_host_blocks=37_449, kv_bytes_per_token=57_344, host_blocks_per_chunk=1)
+    match = index.match_tiers if host_tier else index.match
     samples: list[int] = []
     routed_samples: list[int] = []
     matched_fraction = 0.0
@@ -625,7 +634,7 @@ def bench_lookup(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: i
     def ours_index(i: int, tokens: Sequence[int]) -> None:
         prompt = array("I", tokens)
         t0 = time.perf_counter_ns()
-        matched = index.match(block_keys(prompt, block_size), replicas, 0.0)
+        matched = match(block_keys(prompt, block_size), replicas, 0.0)
         t1 = time.perf_counter_ns()
         if i >= WARMUP_LOOKUPS:
             index_samples.append(t1 - t0)
@@ -684,6 +693,22 @@ def bench_lookup(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: i
             "longest_match_fraction": round(dyn_fraction / n, 3),
         }
     return result
+
+
+def add_host_tiers(index: BlockIndex, frames: KeyFrames) -> int:
+    """Give each replica a host-memory KV tier holding every block it ever cached (vLLM's native
+    offloading copies each computed block to host memory; a tier as large as the stream, which never
+    evicts): its relay's announced keys, applied as one host-tier ``KeysStored`` per replica.
+    Returns the host-tier entries added."""
+    announced: dict[str, list[int]] = {}
+    for rid, message in frames:
+        for ev in decode_key_frames(message)[1].events:
+            if isinstance(ev, KeysStored):
+                announced.setdefault(rid, []).extend(keys_from_bytes(ev.keys))
+    before = index.num_replica_blocks
+    for rid, keys in announced.items():
+        index.apply_keys(rid, [KeysStored(None, keys_to_bytes(dict.fromkeys(keys)), Tier.HOST)])
+    return index.num_replica_blocks - before
 
 
 def compare_matches(index: BlockIndex, tree: Any, core: Any, docs: Sequence[Sequence[int]], block_size: int,
@@ -884,6 +909,16 @@ def print_table(result: dict) -> None:
                          f"{km['p99'] / dyn['p99']:.2f}x", "<= 0.25x" if size == "8k" else ""))
             rows.append(("  Dynamo find_matches alone", "", f"{_fmt(dyn['find_matches_p50'])} / "
                          f"{_fmt(dyn['find_matches_p99'])}", f"{ours['p99'] / dyn['find_matches_p99']:.2f}x", ""))
+    tiered = result.get("lookup_with_host_tiers_us", {})
+    if "8k" in tiered:
+        t, dyn = tiered["8k"], tiered["8k"].get("dynamo")
+        rows.append(("lookup 8k p50 / p99, host tiers (us)", f"{_fmt(t['p50'])} / {_fmt(t['p99'])}",
+                     f"{_fmt(dyn['p50'])} / {_fmt(dyn['p99'])}" if dyn else "-",
+                     f"{t['p99'] / dyn['p99']:.2f}x" if dyn else "-", ""))
+        if dyn:
+            km = t["keys_and_match"]
+            rows.append(("  ours keys + match_tiers alone", f"{_fmt(km['p50'])} / {_fmt(km['p99'])}", "",
+                         f"{km['p99'] / dyn['p99']:.2f}x", "<= 0.25x"))
     s64, s16 = result["scale"]["64"], result["scale"]["16"]
     rows.append((f"bytes per entry, {s64['entries'] / 1e6:.1f} M entries",
                  f"{s64['bytes_per_entry_tracemalloc']:.1f}", "-", "", "<= 64"))
@@ -1002,6 +1037,7 @@ def main(argv: list[str] | None = None) -> dict:
     by_block_size: dict[str, dict] = {}
     blind_by_block_size: dict[str, dict] = {}
     dynamo_by_block_size: dict[str, dict] = {}
+    host_tier_lookup: dict[str, dict] = {}
     ingest: dict[str, dict] = {}
     agreement: dict[str, Any] = {"prompts": 0, "disagreements": 0, "examples": []}
     for bs in (16, 32):
@@ -1049,6 +1085,24 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"lookup {name:>3} tokens, block_size {bs}: Dynamo p50 {d['p50']:7.1f} us  p99 "
                           f"{d['p99']:7.1f} us  (find_matches alone p50 {d['find_matches_p50']:.1f}, p99 "
                           f"{d['find_matches_p99']:.1f}; longest match {d['longest_match_fraction']:.0%})", flush=True)
+        if bs == 16:  # the same engines with host-memory tiers: the lookup walks both
+            _, frames, _ = run_relays(stream)
+            _, tiered = ingest_ours(frames, stream.replica_ids)
+            added = add_host_tiers(tiered, frames)
+            host_results = host_tier_lookup["16"] = {"host_entries": added, "bytes_per_entry": round(
+                tiered.bytes_per_block(), 1)}
+            for name, size in sizes.items():
+                paired = (tree, core) if core is not None else None
+                r = host_results[name] = bench_lookup(tiered, stream.docs, bs, size, counts[name], False,
+                                                      dynamo=paired, host_tier=True)
+                line = (f"lookup {name:>3} tokens, block_size {bs}, host tiers ({added:,} host entries): ours "
+                        f"p50 {r['p50']:7.1f} us  p99 {r['p99']:7.1f} us")
+                if "keys_and_match" in r:
+                    km, d = r["keys_and_match"], r["dynamo"]
+                    line += (f"; keys + match_tiers p50 {km['p50']:.1f} p99 {km['p99']:.1f} us, Dynamo (one tier) "
+                             f"p99 {d['p99']:.1f} us")
+                print(line, flush=True)
+            del tiered, frames
         del index, tree, stream
         gc.collect()
     if core is not None:
@@ -1087,11 +1141,18 @@ def main(argv: list[str] | None = None) -> dict:
     scale_ratio = s64["lookup_8k_us"]["p99"] / s16["lookup_8k_us"]["p99"]
     lookup_ratio = (lookup["8k"]["p99"] / side_lookup["8k"]["dynamo"]["p99"]) if "dynamo" in side_lookup["8k"] else None
     index_ratio = side_lookup["8k"].get("keys_and_match_p99_ratio")
+    tiered_8k = host_tier_lookup["16"]["8k"]
+    tiered_ratio = (round(tiered_8k["keys_and_match"]["p99"] / tiered_8k["dynamo"]["p99"], 3)
+                    if "dynamo" in tiered_8k else None)
+    host_tier_lookup["16"]["keys_and_match_tiers_8k_p99_ratio"] = tiered_ratio
     targets = {
         "ingest_vs_dynamo": f">= {TARGET_INGEST_RATIO}x Dynamo's blocks/s (both block-size-16 streams)",
         "lookup_8k_p99_vs_dynamo": f"<= {TARGET_LOOKUP_P99_RATIO}x Dynamo's p99 (hash + find_matches)",
         "keys_and_match_8k_p99_vs_dynamo": f"<= {TARGET_INDEX_P99_RATIO}x Dynamo's p99 (ours block_keys + "
                                            "BlockIndex.match, Dynamo's hash + find_matches)",
+        "keys_and_match_tiers_8k_p99_vs_dynamo": f"<= {TARGET_INDEX_P99_RATIO}x Dynamo's p99 with host-memory "
+                                                 "tiers on every replica (ours block_keys + match_tiers over both "
+                                                 "tiers, Dynamo's one-tier hash + find_matches)",
         "bytes_per_entry": f"<= {TARGET_BYTES_PER_ENTRY:.0f} bytes per (replica, block) entry at 64 replicas",
         "lookup_8k_p99_64_vs_16_replicas": f"<= {TARGET_SCALE_P99_RATIO}x",
     }
@@ -1099,6 +1160,8 @@ def main(argv: list[str] | None = None) -> dict:
         "ingest_vs_dynamo": min(ingest_ratios) >= TARGET_INGEST_RATIO if ingest_ratios else None,
         "lookup_8k_p99_vs_dynamo": lookup_ratio <= TARGET_LOOKUP_P99_RATIO if lookup_ratio is not None else None,
         "keys_and_match_8k_p99_vs_dynamo": index_ratio <= TARGET_INDEX_P99_RATIO if index_ratio is not None else None,
+        "keys_and_match_tiers_8k_p99_vs_dynamo": (tiered_ratio <= TARGET_INDEX_P99_RATIO
+                                                  if tiered_ratio is not None else None),
         "bytes_per_entry": s64["bytes_per_entry_tracemalloc"] <= TARGET_BYTES_PER_ENTRY,
         "lookup_8k_p99_64_vs_16_replicas": scale_ratio <= TARGET_SCALE_P99_RATIO,
     }
@@ -1129,6 +1192,7 @@ def main(argv: list[str] | None = None) -> dict:
                       s64["keys_and_match_8k_us"]["p99"] / s16["keys_and_match_8k_us"]["p99"], 3)},
         "lookup_us_by_block_size": by_block_size,
         "lookup_with_blind_window_us": blind_by_block_size["16"],
+        "lookup_with_host_tiers_us": host_tier_lookup["16"],
         "lookup_with_blind_window_us_by_block_size": blind_by_block_size,
         "request_interval_s": REQUEST_INTERVAL_S,
         "ingest_by_block_size": ingest,

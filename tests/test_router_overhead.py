@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from bench.router_overhead import (
+    add_host_tiers,
     bench_ingest,
     bench_lookup,
     bench_scale,
@@ -112,3 +113,27 @@ def test_dynamo_stays_optional(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "dynamo._core", None)  # import now raises ImportError
     core, why = load_dynamo()
     assert core is None and "not importable" in why
+
+
+def test_host_tiers_hold_every_block_cached_and_the_lookup_walks_both() -> None:
+    from routing.block_keys import block_keys
+
+    _, _, _, stream = bench_ingest(16, 40, capacity=300)
+    _, frames, relays = run_relays(stream)
+    _, index = ingest_ours(frames, stream.replica_ids)
+    gpu = index.num_replica_blocks
+    added = add_host_tiers(index, frames)
+    announced = sum(r.stats.keys_stored for r in relays.values())  # a key stored again counts again
+    assert gpu < added <= announced and index.num_replica_blocks == gpu + added
+    for rid, held in stream.engine_blocks.items():  # what each engine holds is in its host tier too
+        assert index.replica_blocks(rid) == held <= index.replica_host_blocks(rid)
+    longer = 0
+    for doc in stream.docs:
+        keys = block_keys(doc, 16)
+        answers = index.match_tiers(keys, tuple(stream.replica_ids), 0.0)
+        gpu_only = index.match(keys, tuple(stream.replica_ids), 0.0)
+        assert all(g == gpu_only[rid] and e >= g for rid, (g, e) in answers.items())
+        longer += any(e > g for g, e in answers.values())
+    assert longer  # documents the GPU caches evicted are in the host tiers
+    r = bench_lookup(index, stream.docs, 16, 1024, 60, False, host_tier=True)
+    assert 0 < r["p50"] <= r["p99"]
