@@ -170,8 +170,10 @@ def test_pooled_bound_covers_both_tiers() -> None:
 
     wl = generate("chat", 300, seed=3)
     small = cache_hit_rates(wl, BS, 3 * 200, None)
-    both = cache_hit_rates(wl, BS, 3 * (200 + 600), None)
+    both = cache_hit_rates(wl, BS, 3 * (200 + 600), None, inclusive_blocks=3 * 600)
     assert small["pooled_cache_hit_rate"] < both["pooled_cache_hit_rate"] <= both["unbounded_cache_hit_rate"]
+    assert small["pooled_cache_hit_rate"] < both["pooled_inclusive_hit_rate"] < both["pooled_cache_hit_rate"]
+    assert both["pooled_inclusive_hit_rate"] == cache_hit_rates(wl, BS, 3 * 600, None)["pooled_cache_hit_rate"]
 
 
 def test_cli_host_tier_option_and_report(tmp_path) -> None:
@@ -185,6 +187,10 @@ def test_cli_host_tier_option_and_report(tmp_path) -> None:
     assert host["config"]["host_blocks_per_replica"] == blocks == 585
     assert host["config"]["kv_offloading_size_gib"] == 0.5 and none["config"]["host_blocks_per_replica"] == 0
     assert host["bounds"]["pooled_cache_hit_rate"] >= none["bounds"]["pooled_cache_hit_rate"]
+    # vLLM's tiers are inclusive: 585 host blocks hold the 299 GPU ones too, 585 distinct a replica.
+    assert "pooled_inclusive_hit_rate" not in none["bounds"]
+    assert (none["bounds"]["pooled_cache_hit_rate"] <= host["bounds"]["pooled_inclusive_hit_rate"]
+            <= host["bounds"]["pooled_cache_hit_rate"])
     for name in ("round_robin", "prefix_affinity"):
         assert none["policies"][name]["host_hit_rate"] == 0.0
         p = host["policies"][name]

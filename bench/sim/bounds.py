@@ -15,6 +15,11 @@ them) are in the cache.
   It ignores that running requests pin their blocks and that one request's
   blocks are spread over time, so it is an optimistic reference for any
   router over the same total memory, not a strict maximum.
+* ``pooled_inclusive_hit_rate`` (with host-memory tiers): the same pooled LRU
+  over the distinct blocks the two tiers hold.  vLLM's native offloading copies
+  every computed block to the host tier, so a replica's tiers hold at most
+  ``max(GPU blocks, host blocks)`` distinct blocks, not their sum: the
+  pooled-LRU reference for engines whose tiers are inclusive.
 * ``pooled_optimal_hit_rate``: the same pooled capacity with offline
   optimal eviction (Belady's MIN, with bypass): when over capacity, the
   block whose next use (a later request looking it up within its prompt)
@@ -88,8 +93,31 @@ def _optimal_hit_tokens(requests, block_size: int, capacity: int) -> int:
     return hits
 
 
+def _lru_hit_tokens(requests, block_size: int, capacity: int) -> int:
+    """Hit tokens of a ``capacity``-block LRU cache (a request's tail blocks evicted before its head)."""
+    lru: OrderedDict[int, None] = OrderedDict()
+    move = lru.move_to_end
+    hits = 0
+    for keys, limit, stored in requests:
+        n = 0
+        for i in range(limit):
+            if keys[i] not in lru:
+                break
+            n += 1
+        hits += n * block_size
+        for i in range(stored - 1, -1, -1):  # tail first: the head ends most recent
+            k = keys[i]
+            if k in lru:
+                move(k)
+            else:
+                lru[k] = None
+        while len(lru) > capacity:
+            lru.popitem(last=False)
+    return hits
+
+
 def cache_hit_rates(workload: Workload, block_size: int, pooled_blocks: int,
-                    max_model_len: int | None = None) -> dict[str, float]:
+                    max_model_len: int | None = None, inclusive_blocks: int | None = None) -> dict[str, float]:
     """``{"pooled_cache_hit_rate", "pooled_optimal_hit_rate", "unbounded_cache_hit_rate"}`` for ``workload``.
 
     Args:
@@ -97,43 +125,36 @@ def cache_hit_rates(workload: Workload, block_size: int, pooled_blocks: int,
         block_size: KV-cache block size.
         pooled_blocks: capacity of the pooled cache in blocks.
         max_model_len: requests longer than this are skipped (the engines reject them).
+        inclusive_blocks: with host-memory tiers, the distinct blocks the replicas' two
+            tiers can hold together (vLLM's native offloading copies every GPU block to
+            the host tier: ``replicas * max(GPU blocks, host blocks)``); adds
+            ``pooled_inclusive_hit_rate``, pooled LRU at that capacity.
     """
     workload.prepare(block_size)
-    lru: OrderedDict[int, None] = OrderedDict()
     seen: set[int] = set()
     prompt_total = 0
-    hit_pooled = 0
     hit_unbounded = 0
-    move = lru.move_to_end
-    served = []  # (keys, lookup limit, stored blocks) per request, for the optimal bound
+    served = []  # (keys, lookup limit, stored blocks) per request
     for req in workload.requests:
         if max_model_len is not None and req.prompt_len + req.output_len > max_model_len:
             continue
         keys = req.keys
         limit = min((req.prompt_len - 1) // block_size, len(keys))
         prompt_total += req.prompt_len
-        n = 0
-        for i in range(limit):
-            if keys[i] not in lru:
-                break
-            n += 1
-        hit_pooled += n * block_size
         hit_unbounded += _hit_blocks_unbounded(seen, keys, limit) * block_size
         stored = min((req.prompt_len + req.output_len - 1) // block_size, len(keys))
         served.append((keys, limit, stored))
-        for i in range(stored - 1, -1, -1):  # tail first: the head ends most recent
-            k = keys[i]
-            if k in lru:
-                move(k)
-            else:
-                lru[k] = None
         seen.update(keys[:stored])
-        while len(lru) > pooled_blocks:
-            lru.popitem(last=False)
+    out = {"pooled_cache_hit_rate": 0.0, "pooled_optimal_hit_rate": 0.0, "unbounded_cache_hit_rate": 0.0}
+    if inclusive_blocks is not None:
+        out["pooled_inclusive_hit_rate"] = 0.0
     if prompt_total == 0:
-        return {"pooled_cache_hit_rate": 0.0, "pooled_optimal_hit_rate": 0.0, "unbounded_cache_hit_rate": 0.0}
-    return {
-        "pooled_cache_hit_rate": hit_pooled / prompt_total,
-        "pooled_optimal_hit_rate": _optimal_hit_tokens(served, block_size, pooled_blocks) / prompt_total,
-        "unbounded_cache_hit_rate": hit_unbounded / prompt_total,
-    }
+        return out
+    out.update(
+        pooled_cache_hit_rate=_lru_hit_tokens(served, block_size, pooled_blocks) / prompt_total,
+        pooled_optimal_hit_rate=_optimal_hit_tokens(served, block_size, pooled_blocks) / prompt_total,
+        unbounded_cache_hit_rate=hit_unbounded / prompt_total,
+    )
+    if inclusive_blocks is not None:
+        out["pooled_inclusive_hit_rate"] = _lru_hit_tokens(served, block_size, inclusive_blocks) / prompt_total
+    return out

@@ -270,8 +270,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                   "runtime_s": round(time.perf_counter() - t0, 2)}]
         return {**earlier, "config": {**earlier["config"], "router": info["router"]}, "policies": merged,
                 "updated": updated, "acceptance": acceptance(merged, earlier["bounds"])}
-    pooled = args.replicas * (cfg.engine.num_blocks - 1 + cfg.engine.host_blocks)  # both tiers
-    bounds = cache_hit_rates(wl, cfg.engine.block_size, pooled, cfg.engine.max_model_len)
+    gpu, host = cfg.engine.num_blocks - 1, cfg.engine.host_blocks
+    pooled = args.replicas * (gpu + host)  # both tiers
+    bounds = cache_hit_rates(wl, cfg.engine.block_size, pooled, cfg.engine.max_model_len,
+                             inclusive_blocks=args.replicas * max(gpu, host) if host else None)
     return {
         "config": info,
         "workload": {"name": wl.name, **wl.stats(), "params": _jsonable(wl.params)},
@@ -303,7 +305,10 @@ def format_table(report: dict[str, Any]) -> str:
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]
     optimal = b.get("pooled_optimal_hit_rate")
+    inclusive = b.get("pooled_inclusive_hit_rate")
     lines.append(f"bounds: pooled cache {b['pooled_cache_hit_rate'] * 100:.1f} %, "
+                 + (f"pooled over the tiers' distinct capacity {inclusive * 100:.1f} %, "
+                    if inclusive is not None else "")
                  + (f"pooled optimal eviction {optimal * 100:.1f} %, " if optimal is not None else "")
                  + f"unbounded cache {b['unbounded_cache_hit_rate'] * 100:.1f} %   ({report['runtime_s']} s)")
     return "\n".join(lines)

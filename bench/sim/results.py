@@ -106,7 +106,9 @@ def acceptance(policies: dict[str, dict[str, Any]], bounds: dict[str, float],
     bound of 0 (nothing to reuse) is met by any hit rate.
 
     Also: the best other policies by hit rate and by p90, and the hit rate over
-    the pooled-LRU and (when the report has it) the pooled-optimal bound.
+    the pooled-LRU and (when the report has them) the pooled-optimal and
+    pooled-LRU-at-the-tiers'-distinct-capacity bounds.  Ours' variants
+    (``OUR_VARIANTS``) are never the other policy.
     """
     out: dict[str, Any] = {}
     rr = policies.get("round_robin")
@@ -116,6 +118,7 @@ def acceptance(policies: dict[str, dict[str, Any]], bounds: dict[str, float],
         out["unsaturated"] = unsaturated = rr["ttft_p50_s"] < UNSATURATED_RR_P50_S
     pooled = bounds.get("pooled_cache_hit_rate", 0.0)
     optimal = bounds.get("pooled_optimal_hit_rate")
+    inclusive = bounds.get("pooled_inclusive_hit_rate")
     for name in ours:
         others = [n for n in policies if n not in ours and n not in OUR_VARIANTS]
         if name not in policies or not others:
@@ -136,5 +139,6 @@ def acceptance(policies: dict[str, dict[str, Any]], bounds: dict[str, float],
             "met": None if bound_ok is None else hit_ok and p90_ok and bound_ok,
             "hit_over_pooled": over_pooled,
             "hit_over_optimal": me["hit_rate"] / optimal if optimal else None,
+            "hit_over_inclusive": me["hit_rate"] / inclusive if inclusive else None,
         }
     return out

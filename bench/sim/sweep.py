@@ -89,6 +89,7 @@ def plot_sweep(reports: list[dict[str, Any]], path: str | Path, title: str) -> N
             ax_hit.plot([x for x, _ in pts], [p["hit_rate"] * 100 for _, p in pts], **style)
             ax_p90.plot([x for x, _ in pts], [p["ttft_p90_s"] for _, p in pts], **style)
         for key, ls, label in (("pooled_cache_hit_rate", "--", "bound: pooled LRU"),
+                               ("pooled_inclusive_hit_rate", ":", "bound: pooled LRU, tiers' distinct capacity"),
                                ("pooled_optimal_hit_rate", "-.", "bound: pooled optimal")):
             ys = [r["bounds"].get(key) for r in reps]
             if all(y is not None for y in ys):
