@@ -25,10 +25,14 @@ from infra.preflight import lock_path
 from tests.conftest import REPO
 
 
-def _free_port() -> int:
+@pytest.fixture
+def port():
+    """A free port; its lock file (each run with a command takes one) is removed afterwards."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        free = s.getsockname()[1]
+    yield free
+    lock_path(free).unlink(missing_ok=True)
 
 
 def _config(tmp_path: Path, host: str, port: int) -> Path:
@@ -46,8 +50,7 @@ def _preflight(config: Path, *command: str, timeout: float = 60) -> subprocess.C
     return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
-def test_a_free_port_passes_and_the_command_runs(tmp_path):
-    port = _free_port()
+def test_a_free_port_passes_and_the_command_runs(tmp_path, port):
     config = _config(tmp_path, "127.0.0.1", port)
     checked = _preflight(config)
     assert checked.returncode == 0, checked.stderr
@@ -68,17 +71,17 @@ def test_a_port_in_use_is_refused_naming_it(tmp_path, listen_host, config_host):
         port = listener.getsockname()[1]
         config = _config(tmp_path, config_host, port)
         refused = _preflight(config, sys.executable, "-c", "print('ran')")
+    lock_path(port).unlink(missing_ok=True)
     assert refused.returncode == 1
     assert "ran" not in refused.stdout
     assert f"port {port} on {config_host} (http_options of {config})" in refused.stderr
     assert "already in use" in refused.stderr
 
 
-def test_a_second_run_is_refused_while_the_first_command_holds_the_lock(tmp_path):
+def test_a_second_run_is_refused_while_the_first_command_holds_the_lock(tmp_path, port):
     """The first run execs its command, which keeps the port's lock (its port is still
     free: a `serve run` that has not bound it yet); a second run is refused naming the
     port and the first's pid. Once that command exits, the port can be used again."""
-    port = _free_port()
     config = _config(tmp_path, "127.0.0.1", port)
     first = subprocess.Popen([sys.executable, "-m", "infra.preflight", str(config), "--",
                               sys.executable, "-c", "import time; time.sleep(120)"],
