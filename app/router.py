@@ -325,7 +325,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self._fallbacks.pop(internal_request_id, None)
 
     def _staleness(self, uid: str) -> float | None:
-        last = self.subscriber.last_event_at(uid)
+        """Seconds since the replica's relay last told this router anything (a batch, a heartbeat or a
+        snapshot): how old the index's picture of the replica may be. None before its snapshot."""
+        last = self.subscriber.last_message_at(uid)
         return None if last is None else max(0.0, time.time() - last)
 
     # ---------------------------------------------------------------- introspection

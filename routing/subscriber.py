@@ -74,6 +74,7 @@ class _Source:
     snap_backoff: float = 0.1
     last_snapshot_at: float = -1e9  # monotonic time of the last snapshot request
     last_event_at: float = 0.0  # local clock (time.time) of the last snapshot or batch with events
+    last_message_at: float = 0.0  # ... of the last snapshot or applied batch of any kind, heartbeats included
     batches: int = 0
 
 
@@ -161,6 +162,12 @@ class EventSubscriber:
         for longer is not (its relay may be dead or unreachable)."""
         since = self._unsynced_since.get(replica_id)
         return since is not None and replica_id not in self._synced and time.monotonic() - since < budget_s
+
+    def last_message_at(self, replica_id: str) -> float | None:
+        """Local time of the replica's last snapshot or applied batch, heartbeats included: until
+        then, the index holds everything the relay knew (the decision record's staleness); None if none yet."""
+        src = self._sources.get(replica_id)
+        return src.last_message_at if src is not None and src.batches else None
 
     def last_event_at(self, replica_id: str) -> float | None:
         """Local time of the replica's last snapshot or applied batch with events (heartbeats
@@ -348,7 +355,7 @@ class EventSubscriber:
             self._unsynced_since.pop(src.replica_id, None)
         self.stats["snapshots"] += 1
         src.epoch, src.seq, src.synced = snap.epoch, snap.seq, True
-        src.last_event_at = self.clock()
+        src.last_event_at = src.last_message_at = self.clock()
         src.batches += 1
         kept, src.buffer = src.buffer, []
         for seq, batch in sorted(kept, key=lambda item: item[0]):
@@ -427,6 +434,7 @@ class EventSubscriber:
         now = self.clock()
         if batch.events:  # heartbeats say the relay is up, not that the engine's events flow
             src.last_event_at = now
+        src.last_message_at = now
         src.batches += 1
         self.stats["batches"] += 1
         self.stats["events"] += len(batch.events)

@@ -567,15 +567,21 @@ def test_a_malformed_endpoint_costs_only_its_replica(ingest, fake_relay, endpoin
 
 
 def test_heartbeats_do_not_count_as_engine_events(ingest, fake_relay):
-    """The stale-events guard needs to know when the engine's events last flowed, not the relay's heartbeat."""
+    """The stale-events guard needs to know when the engine's events last flowed, not the relay's heartbeat;
+    the index's staleness (the decision record's) is the time since the relay's last message of any kind."""
     index, lock, sub = ingest
+    assert sub.last_message_at(RID) is None
     follow(sub, fake_relay)
     first = sub.last_event_at(RID)
+    assert sub.last_message_at(RID) == first  # the snapshot
+    time.sleep(0.05)
     fake_relay.publish(0, [])  # a heartbeat
     wait_for(lambda: sub.stats["batches"] == 1)
     assert sub.last_event_at(RID) == first
+    assert sub.last_message_at(RID) > first
     fake_relay.publish(1, [KeysStored(None, keys_to_bytes(keys_of(chain(45, 1))))])
     wait_for(lambda: sub.last_event_at(RID) > first)
+    assert sub.last_message_at(RID) == sub.last_event_at(RID)
 
 
 def test_a_relay_loop_failure_keeps_what_the_relay_knows(ingest, raw, relay, monkeypatch):
