@@ -110,7 +110,11 @@ def test_index_follows_engine_events(app):
     """Blocks appear in the index from BlockStored events, on the replica that served them."""
     prompt = tokens(4, 640)
     first = complete(app, prompt)
-    served_by = decision(app, first["id"])["replica_id"]
+    d = decision(app, first["id"])
+    served_by = d["replica_id"]
+    # The relays send a heartbeat every second: the index was at most a few seconds old when it chose.
+    assert d["index_staleness_s"] is not None and d["index_staleness_s"] < 3.0
+    assert d["matched_tokens_by_tier"] == {"gpu": d["matched_tokens"], "host": 0}
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         snap = routing(app)
@@ -124,6 +128,14 @@ def test_index_follows_engine_events(app):
     assert snap["replica_blocks"][served_by] >= 640 // BLOCK
     assert set(snap["replica_blocks"]) <= set(snap["subscribed"])
     assert len(snap["subscribed"]) == 2
+    assert snap["indexed_host_blocks"] == 0 and set(snap["replica_host_blocks"].values()) == {0}
+    # Each engine told its relay which KV-cache group decides a hit: the tiny Qwen2's one full-attention group.
+    from ray import serve
+
+    relay = serve.get_deployment_handle("VLLMEngine", "prefix-serve").kv_relay_stats.remote().result(
+        timeout_s=30)
+    assert relay["group_idx"] == 0 and [g["kind"] for g in relay["kv_cache_groups"]] == ["full_attention"]
+    assert relay["host_keys"] == 0 and relay["stats"].get("group_changes", 0) == 0
 
 
 def engine_replica_pid(replica_uid: str, deployment: str = "VLLMEngine") -> int:
