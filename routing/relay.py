@@ -44,8 +44,16 @@ A chunk of several engine blocks (``blocks_per_chunk > 1``) is announced block
 by block, but vLLM can load it only whole (vllm #57159): routers count host
 blocks in whole chunks (``routing.tiers.host_hit_blocks``).
 
-``AllBlocksCleared`` (the engine reset its GPU prefix cache) clears the GPU
-tier; ``clear()`` (the relay lost track of the engine) clears every tier.
+``AllBlocksCleared`` (the engine reset its prefix cache) clears every tier,
+as does ``clear()`` (the relay lost track of the engine).  vLLM publishes the
+one event, without a medium, whether or not the reset took the host tier with
+it (``Scheduler.reset_prefix_cache(reset_connector=...)``: ``pause_generation``
+and a weight update reset it, and ``CPUOffloadingManager.reset_cache`` publishes
+nothing), so the relay cannot tell.  Kept, host keys the engine dropped would
+be priced as hits for good (a later re-offload and eviction of the same block
+would leave one copy counted); dropped, host blocks the engine kept are missed
+until it evicts them.  A missed hit costs a prefill; a phantom one sends
+traffic to a replica that must prefill anyway, so the relay drops them.
 
 KV-cache groups: a hybrid model (full-attention layers plus sliding-window or
 Mamba layers) publishes each block once per group, under the same engine
@@ -196,9 +204,9 @@ class KeyRelay:
                 removed = self._remove(ev)  # type: ignore[arg-type]
                 if removed is not None:
                     out.append(removed)
-            elif kind is AllBlocksCleared:
-                self.clear(Tier.GPU)
-                out.append(AllKeysCleared(Tier.GPU))
+            elif kind is AllBlocksCleared:  # every tier: see the module docstring
+                self.clear()
+                out.append(AllKeysCleared())
             else:
                 raise TypeError(f"not a KV event: {ev!r}")
         return out

@@ -220,23 +220,39 @@ def test_storage_tier_and_other_groups_are_ignored() -> None:
     assert relay.stats.ignored_media == 1 and relay.stats.ignored_events == 1 and len(relay) == 0
 
 
-def test_gpu_reset_keeps_the_host_tier_and_a_relay_reset_drops_both() -> None:
+def test_an_engine_cache_reset_drops_both_tiers_and_later_copies_count_once() -> None:
+    """vLLM publishes one ``AllBlocksCleared`` (no medium) whether or not the reset took the host tier
+    (``reset_prefix_cache(reset_connector=True)``: a pause or weight update; the offloading manager's
+    reset publishes nothing), so the relay drops both tiers rather than price host blocks the engine may
+    have lost for good. Re-offloaded after the reset and then evicted, a block is gone: one copy, not two."""
     from routing.events import AllBlocksCleared
 
     eng = Engine()
     relay, index = KeyRelay(BS), BlockIndex()
     index.add_replica("r0")
     tokens = tokens_of(4, 2)
+    keys = block_keys(tokens, BS)
     req = eng.request(tokens)
     eng.compute(req)
     eng.offload(req, range(2))
     follow(index, relay, eng.take())
+    assert index.match_tiers(keys, ("r0",), 0.0) == {"r0": (2, 2)}  # (GPU run, end of the host run)
     out = relay.apply([AllBlocksCleared()])
-    assert out == [AllKeysCleared(Tier.GPU)]
+    assert out == [AllKeysCleared()]
     index.apply_keys("r0", out)
-    keys = block_keys(tokens, BS)
+    assert index.match_tiers(keys, ("r0",), 0.0) == {"r0": (0, 0)} and index.num_replica_blocks == 0
+    assert relay.num_keys(Tier.GPU) == relay.num_keys(Tier.HOST) == 0
+    # The engine computes the prompt again and offloads it again; then the GPU and the host evict it.
+    again = eng.request(tokens)
+    eng.compute(again)
+    eng.offload(again, range(2))
+    follow(index, relay, eng.take())
+    assert index.match_tiers(keys, ("r0",), 0.0) == {"r0": (2, 2)}
+    eng.evict_gpu(again)
+    follow(index, relay, eng.take())
     assert index.match_tiers(keys, ("r0",), 0.0) == {"r0": (0, 2)}
-    index.apply_keys("r0", [AllKeysCleared()])
+    eng.drop_host(again, range(2))
+    follow(index, relay, eng.take())
     assert index.match_tiers(keys, ("r0",), 0.0) == {"r0": (0, 0)} and index.num_replica_blocks == 0
 
 
