@@ -60,7 +60,10 @@ class EngineConfig(_Strict):
     kv_offloading_blocks_per_chunk: int = Field(
         1, ge=1, le=1024,
         description="engine blocks per offloaded chunk (the native connector's blocks_per_chunk); a chunk is "
-                    "loaded whole, and routers count host hits in whole chunks",
+                    "loaded whole, and routers count host hits in whole chunks. Above 1, a host store "
+                    "vLLM publishes as a placeholder (it falls back to one when a chunk is evicted and "
+                    "stored again within one event window) names only the chunk's last block, so the "
+                    "relay keys that block alone and routers miss that chunk's host hit",
     )
 
     @model_validator(mode="after")
@@ -104,8 +107,8 @@ class RouterConfig(_Strict):
     )
     max_indexed_blocks: int = Field(
         defaults.MAX_INDEXED_BLOCKS, ge=1,
-        description="cap on (replica, block) entries of the index; keys past it are refused and counted (set it above "
-                    "the cluster's KV capacity in blocks)",
+        description="cap on (replica, block) entries of the index, both tiers together; keys past it are refused "
+                    "and counted (set it above the cluster's KV capacity in blocks, GPU and host tiers)",
     )
     predicted_ttl_s: float = Field(
         defaults.PREDICTED_TTL_S, gt=0.0,

@@ -22,7 +22,11 @@ Live stream, on the relay's PUB socket: ZMQ multipart ``[topic, seq, payload]``,
   ``["c", tier]`` (``AllKeysCleared``: nothing held on ``tier``; nil: on any tier).
   ``keys`` are ``bytes``: uint64 little-endian, 8 bytes a key.  ``tier`` is a
   ``routing.tiers.Tier`` code (0 GPU, 1 host memory); a message without it (a
-  relay from before the host tier) means GPU, and ``["c"]`` every tier.
+  relay from before the host tier) means GPU, and ``["c"]`` every tier.  The
+  reverse does not hold: a router from before the host tier decodes
+  ``["s", parent, keys, 1]`` as a GPU store (msgpack arrays may carry extra
+  trailing fields), so with a host tier on, upgrade the routers (the ingress)
+  before the engines, or the whole app at once.
 
 Snapshot, on the relay's ROUTER socket: a DEALER sends ``[b"snapshot"]``; the
 answer is ``[payload]``, a msgpack ``KeySnapshot`` ``[epoch, seq, keys,
