@@ -114,7 +114,9 @@ def plot_sweep(reports: list[dict[str, Any]], path: str | Path, title: str) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.sim.sweep", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.sim.sweep", description=__doc__.splitlines()[0],
+                                 epilog="Every other option (--seed, --jobs, --policies, --num-blocks, ...) is passed "
+                                        "to each python -m bench.sim run; see its --help.")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake-format JSONL trace")
     src.add_argument("--workload", help="generated workload (see python -m bench.sim --help)")
