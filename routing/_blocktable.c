@@ -25,10 +25,24 @@
  * PREDICTED table has that (key, replica)): walk() runs a prompt's whole
  * lookup, add() / remove() fold one relay key event in (keys as uint64 bytes
  * or ints), predict() / expire() keep the blind window, clear_replica() drops
- * a replica.  Every method converts and checks its arguments and reserves
- * the room it may need before it changes anything, so a method that raises
- * leaves both tables as they were; no method runs Python code while it holds
- * a slot index.  Not thread-safe beyond the GIL.
+ * a replica in one pass, clear_replica_part() in resumable steps.  Every
+ * method converts and checks its arguments and reserves the room it may need
+ * before it changes anything, so a method that raises leaves both tables as
+ * they were; no method runs Python code while it holds a slot index.  Not
+ * thread-safe beyond the GIL.
+ *
+ * A partial clear scans the PREDICTED table, then the HOLDERS table, in slot
+ * order, over several calls with other changes in between.  Entries move only
+ * two ways: a rehash (grow / shrink) moves them all, and the scan of that
+ * table starts over from slot 0; backward-shift deletion moves an entry back
+ * within its probe run, possibly from the unscanned part to below the cursor
+ * (and, once later deletions have emptied slots between, below the start of
+ * the cursor's current run: backing off over that run is not enough).  So
+ * each table keeps its scan's cursor (scan_at: no entry below it is the
+ * replica's) and erase() lowers it to the slot it moves an entry to from at or
+ * above it: the invariant holds whatever ran between two calls.  Inserts never
+ * move entries, and nothing gives the replica being cleared an entry again
+ * (the caller's promise), so the scanned part stays clean.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -184,6 +198,8 @@ typedef struct {
     size_t capacity_mask; /* capacity - 1, capacity a power of two */
     size_t used;
     uint64_t seed;
+    size_t scan_at;    /* a partial clear's cursor: no entry in slots [0, scan_at) is the replica's; SIZE_MAX: none */
+    uint64_t rehashes; /* capacity changes (grow and shrink) */
 } Table;
 
 static inline uint64_t
@@ -239,6 +255,8 @@ table_init(Table *t, uint64_t seed)
     t->capacity_mask = MIN_CAPACITY - 1;
     t->used = 0;
     t->seed = seed;
+    t->scan_at = SIZE_MAX;
+    t->rehashes = 0;
     return 0;
 }
 
@@ -255,11 +273,14 @@ rehash(Kind kind, Table *t, size_t capacity)
     size_t old_capacity = t->capacity_mask + 1;
     t->slots = fresh;
     t->capacity_mask = capacity - 1;
-    for (size_t j = 0; j < old_capacity; j++) {
+    for (size_t j = 0; t->used > 0 && j < old_capacity; j++) { /* an emptied table: nothing to read */
         if (occupied(kind, &old[j]))
             t->slots[find(kind, t, old[j].key, tag_of(kind, &old[j]))] = old[j];
     }
     PyMem_Free(old);
+    t->rehashes++;
+    if (t->scan_at != SIZE_MAX)
+        t->scan_at = 0; /* every entry moved: a partial clear of this table starts over */
     return 0;
 }
 
@@ -330,7 +351,9 @@ insert_at(Table *t, size_t i, uint64_t key)
     return s;
 }
 
-/* Remove the entry in occupied slot i, shifting later entries of its probe run back. */
+/* Remove the entry in occupied slot i, shifting later entries of its probe run back.  An entry
+ * moved from at or above a partial clear's cursor to below it lowers the cursor to its new slot
+ * (a move that wraps around the end of the array goes up, never across the cursor). */
 static void
 erase(Kind kind, Table *t, size_t i)
 {
@@ -345,6 +368,8 @@ erase(Kind kind, Table *t, size_t i)
         /* The entry at j may fill the hole at i unless its home lies in (i, j]. */
         int stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
         if (!stays) {
+            if (i < t->scan_at && j >= t->scan_at)
+                t->scan_at = i;
             t->slots[i] = *s;
             i = j;
         }
@@ -485,6 +510,13 @@ typedef struct {
     PyObject_HEAD
     Table holders;
     Table predicted;
+    /* The partial clear in progress (clear_replica_part), if scanning: its replica, its phase (0:
+     * the PREDICTED table, 1: the HOLDERS table; the cursor is that table's scan_at) and the
+     * token its last call returned. */
+    int scanning;
+    uint32_t scan_replica;
+    int scan_phase;
+    unsigned long long scan_token;
 } BlockTable;
 
 static PyObject *
@@ -578,6 +610,24 @@ static PyObject *
 BlockTable_get_num_predictions(BlockTable *t, void *Py_UNUSED(closure))
 {
     return PyLong_FromSize_t(t->predicted.used);
+}
+
+static PyObject *
+BlockTable_get_capacity(BlockTable *t, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSize_t(t->holders.capacity_mask + 1);
+}
+
+static PyObject *
+BlockTable_get_prediction_capacity(BlockTable *t, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSize_t(t->predicted.capacity_mask + 1);
+}
+
+static PyObject *
+BlockTable_get_rehashes(BlockTable *t, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLongLong(t->holders.rehashes + t->predicted.rehashes);
 }
 
 PyDoc_STRVAR(memory_bytes_doc, "memory_bytes()\n--\n\n"
@@ -1026,6 +1076,129 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(clear_replica_part_doc,
+             "clear_replica_part(replica, start, max_slots, /)\n--\n\n"
+             "One resumable step of ``clear_replica(replica)``: drop replica slot ``replica``'s\n"
+             "predictions and bits (keys left without a holder go) from at most ``max_slots``\n"
+             "(>= 1) slots, the PREDICTED table's then the HOLDERS table's, in slot order.\n"
+             "``start`` 0 begins a clear (abandoning any other one of this table); any other\n"
+             "``start`` must be the ``next_start`` this table's last call returned for the same\n"
+             "replica (else ValueError).  Other replicas' adds, removes, predictions, expiries\n"
+             "and the rehashes they cause may run between two calls (a rehash starts the\n"
+             "table's scan over); nothing may give ``replica`` a key until the clear is done.\n"
+             "Once done, tables left at most 1/8 full shrink.\n\n"
+             "Returns ``(next_start, real_dropped, done)``: ``next_start`` an opaque int (0 once\n"
+             "done), ``real_dropped`` the keys this step took from the replica that it really\n"
+             "held (predictions not counted), ``done`` True once no entry of the replica is left.");
+
+static PyObject *
+BlockTable_clear_replica_part(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint32_t replica;
+    unsigned long long start, max_slots;
+    if (!check_nargs("clear_replica_part", nargs, 3, 3) || replica_of(args[0], &replica) < 0
+        || bounded_int(args[1], "start", ULLONG_MAX, &start) < 0
+        || bounded_int(args[2], "max_slots", PY_SSIZE_T_MAX, &max_slots) < 0)
+        return NULL;
+    if (max_slots == 0) {
+        PyErr_SetString(PyExc_ValueError, "max_slots must be at least 1");
+        return NULL;
+    }
+    if (start != 0 && !(t->scanning && t->scan_replica == replica && t->scan_token == start)) {
+        PyErr_Format(PyExc_ValueError,
+                     "start must be 0 (a new clear) or the next_start this table last returned for replica %u",
+                     (unsigned)replica);
+        return NULL;
+    }
+    Table *h = &t->holders, *p = &t->predicted;
+    uint64_t tag = (uint64_t)replica + 1;
+    if (start == 0) { /* a new clear: the predictions first, so that every bit left after them is real */
+        t->scanning = 1;
+        t->scan_replica = replica;
+        t->scan_phase = 0;
+        p->scan_at = 0;
+        h->scan_at = SIZE_MAX;
+    }
+    size_t budget = (size_t)max_slots;
+    Py_ssize_t dropped = 0;
+    if (t->scan_phase == 0) {
+        size_t i = p->scan_at;
+        p->scan_at = SIZE_MAX; /* this loop looks at slot i again after each erase: no tracking */
+        while (budget > 0 && i <= p->capacity_mask) {
+            budget--;
+            const Slot *s = &p->slots[i];
+            if (s->v.predicted.replica1 != tag) {
+                i++;
+                continue;
+            }
+            uint64_t key = s->key;
+            erase(PREDICTED, p, i); /* a later entry of the run may have moved into slot i */
+            drop_holder(h, key, replica);
+        }
+        if (i <= p->capacity_mask)
+            p->scan_at = i;
+        else {
+            t->scan_phase = 1;
+            h->scan_at = 0;
+        }
+    }
+    int done = 0;
+    if (t->scan_phase == 1 && budget > 0) {
+        size_t i = h->scan_at;
+        h->scan_at = SIZE_MAX;
+        while (budget > 0 && i <= h->capacity_mask) {
+            budget--;
+            Slot *s = &h->slots[i];
+            if (occupied(HOLDERS, s) && mask_has(s->v.holders, replica)) {
+                dropped++; /* real: the replica has no prediction left */
+                mask_clear(&s->v.holders, replica);
+                if (!mask_any(s->v.holders)) {
+                    erase(HOLDERS, h, i); /* look at slot i again */
+                    continue;
+                }
+            }
+            i++;
+        }
+        if (i <= h->capacity_mask)
+            h->scan_at = i;
+        else
+            done = 1;
+    }
+    if (done) { /* both cursors are SIZE_MAX already: shrinking restarts no scan */
+        t->scanning = 0;
+        t->scan_token = 0;
+        shrink(PREDICTED, p);
+        shrink(HOLDERS, h);
+    }
+    else {
+        size_t at = t->scan_phase ? h->scan_at : p->scan_at;
+        t->scan_token = (((unsigned long long)at << 1) | (unsigned long long)t->scan_phase) + 1; /* never 0 */
+    }
+    return Py_BuildValue("(KnN)", t->scan_token, dropped, PyBool_FromLong(done));
+}
+
+PyDoc_STRVAR(replica_entries_doc,
+             "replica_entries(replica, /)\n--\n\n"
+             "``(keys, predictions)``: how many keys have replica slot ``replica``'s bit (really\n"
+             "or by prediction) and how many of its predictions are pending.  One pass over\n"
+             "both tables: for tests and debugging.");
+
+static PyObject *
+BlockTable_replica_entries(BlockTable *t, PyObject *arg)
+{
+    uint32_t replica;
+    if (replica_of(arg, &replica) < 0)
+        return NULL;
+    size_t keys = 0, predictions = 0;
+    for (size_t j = 0; j <= t->holders.capacity_mask; j++) {
+        const Slot *s = &t->holders.slots[j];
+        keys += occupied(HOLDERS, s) && mask_has(s->v.holders, replica);
+    }
+    for (size_t j = 0; j <= t->predicted.capacity_mask; j++)
+        predictions += t->predicted.slots[j].v.predicted.replica1 == (uint64_t)replica + 1;
+    return Py_BuildValue("(nn)", (Py_ssize_t)keys, (Py_ssize_t)predictions);
+}
+
 static PyMethodDef BlockTable_methods[] = {
     {"get", (PyCFunction)(void (*)(void))BlockTable_get, METH_FASTCALL, get_doc},
     {"until", (PyCFunction)(void (*)(void))BlockTable_until, METH_FASTCALL, until_doc},
@@ -1037,12 +1210,21 @@ static PyMethodDef BlockTable_methods[] = {
     {"predict", (PyCFunction)(void (*)(void))BlockTable_predict, METH_FASTCALL, predict_doc},
     {"expire", (PyCFunction)(void (*)(void))BlockTable_expire, METH_FASTCALL, expire_doc},
     {"clear_replica", (PyCFunction)BlockTable_clear_replica, METH_O, clear_replica_doc},
+    {"clear_replica_part", (PyCFunction)(void (*)(void))BlockTable_clear_replica_part, METH_FASTCALL,
+     clear_replica_part_doc},
+    {"replica_entries", (PyCFunction)BlockTable_replica_entries, METH_O, replica_entries_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static PyGetSetDef BlockTable_getset[] = {
     {"num_predictions", (getter)BlockTable_get_num_predictions, NULL,
      "(key, replica) predictions pending (an int)", NULL},
+    {"capacity", (getter)BlockTable_get_capacity, NULL, "slots of the holders table (an int)", NULL},
+    {"prediction_capacity", (getter)BlockTable_get_prediction_capacity, NULL,
+     "slots of the predictions table (an int)", NULL},
+    {"rehashes", (getter)BlockTable_get_rehashes, NULL,
+     "times either table changed capacity, grown or shrunk (an int; a partial clear's scan of that table "
+     "starts over)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

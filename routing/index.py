@@ -9,7 +9,7 @@ this prompt does each replica hold on GPU, and how far do its host-memory
 blocks carry that?".  It hashes nothing: the relays computed the keys.
 
 Data model (each replica owns one slot, 0 to ``MAX_REPLICAS - 1`` = 127, and
-its bit in a fixed-width mask; slots are recycled by ``remove_replica``), in
+its bit in a fixed-width mask; slots are recycled once cleared, see below), in
 one ``routing._blocktable.BlockTable`` (C: one generic open-addressing table,
 24-byte slots, load factor at most 1/2; a Python dict costs about three cache
 misses a lookup at 10^5 keys, which made the prompt walk memory-bound):
@@ -47,22 +47,46 @@ Blind window: between routing a request and the replica's ``KeysStored``
 arriving, ``predict`` records the prompt's blocks as held with a TTL; a real
 ``KeysStored`` confirms them, expiry retires unconfirmed ones.
 
+Slots and deferred clears: dropping a replica's entries takes a pass over the
+tables (about 25 ns a slot; tens of ms at millions of keys), so the router's
+event loop never waits behind one.  ``remove_replica`` detaches the replica at
+once (gone from ``replicas()``, its events dropped, its entries out of
+``num_replica_blocks``) and *retires* its slot; ``clear_replica`` (every tier)
+moves the replica to a fresh slot and retires the old one; a chunked snapshot
+(``begin_snapshot`` / ``snapshot_step`` / ``finish_snapshot``) loads into a spare
+(shadow) slot while lookups keep answering from the replica's current one, and
+retires that at the swap.  Retired slots are cleared in steps by ``clear_step``
+(``BlockTable.clear_replica_part``, resumable across any other change) and reused
+only once clean; their bits are in no lookup's mask meanwhile, but their keys
+still count in ``num_keys`` / ``num_host_keys`` / ``memory_bytes``.  Tables of at
+most ``inline_clear_slots`` slots are cleared at once instead (as cheap as a
+step).  ``add_replica`` finishes a retired slot's clear inline rather than
+refuse a replica.
+
 Costs: ``apply_keys`` O(keys in the batch); ``match`` O(prompt blocks);
-``memory_bytes`` and every counter O(1); ``clear_replica`` /
-``remove_replica`` one pass over the holders table in C (rare: a replica's
-restart or departure).
+``memory_bytes`` and every counter O(1); ``remove_replica``, ``clear_replica``
+(every tier, a free slot left) and ``begin_snapshot`` / ``finish_snapshot`` O(1)
+(``finish_snapshot`` loads what ``snapshot_step`` has not, and with no spare slot
+loads in place: O(keys + table)); ``clear_step(n)`` / ``snapshot_step(load, n)``
+O(n) (defaults ``CLEAR_STEP_SLOTS``, ``SNAPSHOT_STEP_KEYS``: about 1 ms each at
+millions of keys); ``load_snapshot``, a tier's ``clear_replica`` and
+``add_replica`` reclaiming a retired slot one pass (rare).  A table that grows
+or shrinks rehashes in one pass, inside whichever call crosses the bound.
 
 Time is passed in (``now``, seconds on any clock the caller uses
 consistently); nothing here reads the clock.  Not thread-safe: use from one
-thread / event loop (the live router takes a lock around every call).
+thread / event loop, the router's owner (or under one lock around every call),
+and run ``clear_step`` / ``snapshot_step`` between routing lookups.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 import secrets
 import sys
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 
@@ -71,7 +95,17 @@ from routing._blocktable import MAX_REPLICAS, BlockTable
 from routing.key_events import AllKeysCleared, KeyEvent, KeysRemoved, KeysStored, keys_from_bytes
 from routing.tiers import Tier
 
-__all__ = ["MAX_REPLICAS", "BlockIndex", "IndexStats"]
+__all__ = ["CLEAR_STEP_SLOTS", "MAX_REPLICAS", "SNAPSHOT_STEP_KEYS", "BlockIndex", "IndexStats", "SnapshotLoad"]
+
+CLEAR_STEP_SLOTS = 32_768
+"""Default slots of table a ``BlockIndex.clear_step`` scans (an entry it erases counts one more):
+about 0.3 ms, 0.5 ms at worst, clearing a 2 M-key replica (191 steps); the step that ends a clear
+that leaves a table at most 1/8 full also shrinks it (a rehash, and freeing the old array: ~13 ms
+from 4 M slots)."""
+
+SNAPSHOT_STEP_KEYS = 16_384
+"""Default keys a ``BlockIndex.snapshot_step`` loads: about 0.7 ms, 1.1 ms at worst, at 2 M keys
+(a step whose keys make the table grow rehashes it: tens of ms at millions of keys)."""
 
 
 @dataclass(slots=True)
@@ -89,9 +123,14 @@ class IndexStats:
     unknown_removed: int = 0
     """Removed keys the replica did not hold (or held only by prediction)."""
     replica_clears: int = 0
-    """``AllKeysCleared`` events, snapshots and ``clear_replica`` calls."""
+    """``AllKeysCleared`` events, snapshots, ``clear_replica`` and ``remove_replica`` calls."""
     snapshots: int = 0
-    """Snapshots loaded (``load_snapshot``)."""
+    """Snapshots loaded (``load_snapshot``, and ``finish_snapshot`` swaps)."""
+    snapshots_in_place: int = 0
+    """Of those, chunked loads that found no spare slot and were loaded in place by ``finish_snapshot``."""
+    snapshots_superseded: int = 0
+    """Chunked loads dropped before their swap: superseded (another snapshot, a clear, the replica's
+    removal) or cancelled."""
     unknown_replica_events: int = 0
     """Key events and predictions for a replica the index does not follow (dropped)."""
     over_capacity_keys: int = 0
@@ -117,16 +156,97 @@ def _native(keys: bytes | Sequence[int]) -> bytes | Sequence[int]:
     return keys
 
 
-class _Replica:
-    """A replica's bit, slot and count of keys really held on each tier."""
+def _chunkable(keys: bytes | Sequence[int]) -> tuple[memoryview | Sequence[int], int]:
+    """Keys to load in chunks, without copying them: ``(view, n)``, the view a flat byte
+    memoryview of a buffer (sliced 8 bytes a key) or the sequence of ints itself.
 
-    __slots__ = ("bit", "slot", "blocks", "host_blocks")
+    Raises as ``BlockTable.add`` would for a buffer (TypeError / ValueError: not uint64, strided,
+    not whole keys); a sequence's ints are checked chunk by chunk, as they are loaded.
+    """
+    keys = _native(keys)
+    try:
+        view = memoryview(keys)  # type: ignore[arg-type]
+    except TypeError:
+        if not isinstance(keys, Sequence):
+            kind = type(keys).__name__
+            raise TypeError(f"keys must be a bytes-like of uint64 or a sequence of ints, not {kind}") from None
+        return keys, len(keys)
+    if view.ndim != 1 or not view.c_contiguous:
+        raise TypeError("keys must be a flat, contiguous buffer of uint64")
+    _FORMAT_CHECK.walk(view[:0], 0)  # the table's own check of the item format (no copy: empty)
+    if view.nbytes % 8:
+        raise ValueError(f"keys must hold whole 8-byte items, got {view.nbytes} bytes")
+    flat = view if view.format == "B" else view.cast("B")
+    return flat, view.nbytes // 8
+
+
+_FORMAT_CHECK = BlockTable()
+
+
+class _Replica:
+    """A replica's bit, slot, count of keys really held on each tier, and its chunked load if any."""
+
+    __slots__ = ("bit", "slot", "blocks", "host_blocks", "load")
 
     def __init__(self, slot: int) -> None:
         self.slot = slot
         self.bit = 1 << slot
         self.blocks = 0
         self.host_blocks = 0
+        self.load: SnapshotLoad | None = None
+
+
+class SnapshotLoad:
+    """A snapshot being loaded in steps (``BlockIndex.begin_snapshot``): pass it to
+    ``snapshot_step`` until that returns True, then to ``finish_snapshot``.
+
+    Attributes:
+        replica_id: the replica it replaces the entries of.
+        in_place: True when no spare slot was free: the keys are loaded by
+            ``finish_snapshot``, in place, in one pass.
+    """
+
+    __slots__ = ("replica_id", "in_place", "_rs", "_slot", "_parts", "_part", "_pos", "_active",
+                 "_gpu", "_host", "_refused", "_duplicates")
+
+    def __init__(self, replica_id: str, rs: _Replica, slot: int | None,
+                 parts: list[tuple[memoryview | Sequence[int], int, int]]) -> None:
+        self.replica_id = replica_id
+        self.in_place = slot is None
+        self._rs = rs
+        self._slot = -1 if slot is None else slot
+        self._parts = parts  # (keys, n, tier): GPU then host
+        self._part = 0
+        self._pos = 0
+        self._active = True
+        self._gpu = 0  # entries loaded into the shadow slot, per tier
+        self._host = 0
+        self._refused = 0
+        self._duplicates = 0
+
+    @property
+    def active(self) -> bool:
+        """False once swapped in, superseded or cancelled."""
+        return self._active
+
+    @property
+    def keys_left(self) -> int:
+        """Keys (both tiers) not loaded yet; 0 for an inactive load."""
+        if not self._active:
+            return 0
+        return sum(n for _, n, _ in self._parts[self._part:]) - self._pos
+
+    def _release(self) -> None:
+        self._active = False
+        for keys, _, _ in self._parts:
+            if isinstance(keys, memoryview):
+                with contextlib.suppress(BufferError):  # a view of it still exported: it goes with that
+                    keys.release()  # the caller's buffer (a bytearray) may resize again
+        self._parts = []
+
+    def __repr__(self) -> str:
+        state = "in place" if self.in_place else f"slot {self._slot}"
+        return f"<SnapshotLoad {self.replica_id!r} {state}, {self.keys_left} keys left, active={self._active}>"
 
 
 class BlockIndex:
@@ -134,12 +254,18 @@ class BlockIndex:
 
     Args:
         max_blocks: cap on (replica, key) entries, > 0.
+        inline_clear_slots: a retired slot whose tables have at most this many slots
+            (holders and predictions, both tiers) is cleared at once, not by ``clear_step``.
     """
 
-    def __init__(self, *, max_blocks: int = defaults.MAX_INDEXED_BLOCKS) -> None:
+    def __init__(self, *, max_blocks: int = defaults.MAX_INDEXED_BLOCKS,
+                 inline_clear_slots: int = CLEAR_STEP_SLOTS) -> None:
         if max_blocks <= 0:
             raise ValueError(f"max_blocks must be positive, got {max_blocks}")
+        if inline_clear_slots < 0:
+            raise ValueError(f"inline_clear_slots must be >= 0, got {inline_clear_slots}")
         self.max_blocks = max_blocks
+        self.inline_clear_slots = inline_clear_slots
         self.stats = IndexStats()
         self._entries = 0
         self._holders = BlockTable(seed=secrets.randbits(64))
@@ -151,6 +277,9 @@ class BlockIndex:
         self._expiry_seq = 0
         self._expiry_bytes = 0
         self._candidate_bits: dict[tuple[str, ...], tuple[int, dict[int, str]]] = {}
+        self._retired: deque[tuple[int, bool, bool]] = deque()  # (slot, GPU dirty, host dirty), FIFO
+        self._clearing: list | None = None  # [slot, tables left to clear, next_start]: the clear in progress
+        self._loads: dict[str, SnapshotLoad] = {}  # replica id -> its chunked load into a shadow slot
 
     # ------------------------------------------------------------------ replicas
 
@@ -161,17 +290,22 @@ class BlockIndex:
     def add_replica(self, replica_id: str) -> bool:
         """Follow ``replica_id`` (holding nothing yet); a no-op if it is followed.
 
+        Takes a free slot; when none is free but a retired one waits for ``clear_step``,
+        finishes clearing that one now (a pass over the tables) and takes it.
+
         Returns:
             True if the replica is followed; False (counted in
-            ``stats.replicas_refused``) when ``MAX_REPLICAS`` replicas already are.
+            ``stats.replicas_refused``) when ``MAX_REPLICAS`` replicas already are
+            (shadow slots of chunked snapshot loads included).
         """
         if replica_id in self._replicas:
             return True
-        if not self._free_slots and self._next_slot >= MAX_REPLICAS:
+        slot = self._take_free_slot()
+        if slot is None:
+            slot = self._reclaim_retired()
+        if slot is None:
             self.stats.replicas_refused += 1
             return False
-        slot = heapq.heappop(self._free_slots) if self._free_slots else self._next_slot
-        self._next_slot = max(self._next_slot, slot + 1)
         self._replicas[replica_id] = _Replica(slot)
         self._candidate_bits.clear()
         return True
@@ -181,11 +315,25 @@ class BlockIndex:
         every tier when None; the replica stays followed.
 
         For ``AllKeysCleared``, a snapshot about to be loaded, or an engine restart.
+        Every tier, on tables larger than ``inline_clear_slots``, with a slot free: the
+        replica moves to that slot and its old one is retired (O(1), cleared by
+        ``clear_step``); otherwise the tables are cleared now (one pass).  Supersedes
+        the replica's chunked snapshot load, if any.
         """
         rs = self._replicas.get(replica_id)
         if rs is None:
             return
         self.stats.replica_clears += 1
+        self._supersede(rs)
+        if tier is None and self._clear_cost(True, rs.host_blocks > 0) > self.inline_clear_slots:
+            slot = self._take_free_slot()
+            if slot is not None:
+                self._entries -= rs.blocks + rs.host_blocks
+                self._retire(rs.slot, True, rs.host_blocks > 0)
+                rs.slot, rs.bit = slot, 1 << slot
+                rs.blocks = rs.host_blocks = 0
+                self._candidate_bits.clear()
+                return
         if tier is None or tier == Tier.GPU:
             self._holders.clear_replica(rs.slot)  # real and predicted
             self._entries -= rs.blocks
@@ -196,18 +344,255 @@ class BlockIndex:
             rs.host_blocks = 0
 
     def remove_replica(self, replica_id: str) -> None:
-        """Clear a replica and release its bit (the replica left the cluster).
+        """Stop following a replica (it left the cluster); O(1).
 
-        Final: later events and predictions for it are dropped until
-        ``add_replica`` follows it again.
+        Final: later events and predictions for it are dropped until ``add_replica``
+        follows it again.  Its entries leave ``num_replica_blocks`` and every lookup at
+        once; its slot is retired (cleared by ``clear_step``, or now on small tables)
+        and reused once clean.  Supersedes its chunked snapshot load, if any.
+        """
+        rs = self._replicas.pop(replica_id, None)
+        if rs is None:
+            return
+        self.stats.replica_clears += 1
+        self._supersede(rs)
+        self._entries -= rs.blocks + rs.host_blocks
+        self._retire(rs.slot, True, rs.host_blocks > 0)
+        self._candidate_bits.clear()
+
+    # ------------------------------------------------------------------ slots
+
+    @property
+    def pending_clears(self) -> int:
+        """Retired slots not clean yet (``clear_step`` has work while this is > 0)."""
+        return len(self._retired) + (self._clearing is not None)
+
+    def clear_step(self, max_slots: int = CLEAR_STEP_SLOTS) -> bool:
+        """Clear retired slots for about ``max_slots`` slots of table scanned (>= 1); a
+        slot clean at last becomes free.  Run it between lookups while it returns True.
+
+        Returns:
+            True while retired slots remain (``pending_clears > 0``).
+        """
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        budget = max_slots
+        while budget > 0:
+            if self._clearing is None:
+                if not self._retired:
+                    break
+                slot, gpu, host = self._retired.popleft()
+                tables = [t for t, dirty in ((self._holders, gpu), (self._host, host)) if dirty]
+                self._clearing = [slot, tables, 0]
+            slot, tables, start = self._clearing
+            if not tables:
+                heapq.heappush(self._free_slots, slot)
+                self._clearing = None
+                continue
+            table = tables[0]
+            scan = table.capacity + table.prediction_capacity  # at most a whole scan, once done
+            self._clearing[2], _, done = table.clear_replica_part(slot, start, budget)
+            if not done:
+                break  # the call took the whole budget
+            budget -= min(budget, scan)
+            tables.pop(0)
+            self._clearing[2] = 0
+        return self.pending_clears > 0
+
+    def _take_free_slot(self) -> int | None:
+        """A clean slot nobody uses, or None."""
+        if self._free_slots:
+            return heapq.heappop(self._free_slots)
+        if self._next_slot < MAX_REPLICAS:
+            self._next_slot += 1
+            return self._next_slot - 1
+        return None
+
+    def _clear_cost(self, gpu: bool, host: bool) -> int:
+        """Slots a clear of one replica slot scans, on the GPU and / or host tables."""
+        return sum(t.capacity + t.prediction_capacity for t, on in ((self._holders, gpu), (self._host, host)) if on)
+
+    def _retire(self, slot: int, gpu: bool, host: bool) -> None:
+        """``slot`` is no one's any more; its entries (on the tables marked dirty) go before it is reused."""
+        if self._clear_cost(gpu, host) <= self.inline_clear_slots:
+            # As cheap as a step: now.  (The one-pass clear is safe beside a partial clear in progress.)
+            if gpu:
+                self._holders.clear_replica(slot)
+            if host:
+                self._host.clear_replica(slot)
+            heapq.heappush(self._free_slots, slot)
+        else:
+            self._retired.append((slot, gpu, host))
+
+    def _reclaim_retired(self) -> int | None:
+        """Finish one retired slot's clear now and return it (not freed), or None when none is retired."""
+        if self._clearing is not None:
+            slot, tables, start = self._clearing
+            self._clearing = None
+        elif self._retired:
+            slot, gpu, host = self._retired.popleft()
+            tables = [t for t, dirty in ((self._holders, gpu), (self._host, host)) if dirty]
+            start = 0
+        else:
+            return None
+        for table in tables:
+            done = False
+            while not done:
+                start, _, done = table.clear_replica_part(slot, start, sys.maxsize)
+            start = 0
+        return slot
+
+    # ------------------------------------------------------------------ snapshots in steps
+
+    def begin_snapshot(self, replica_id: str, keys: bytes | Sequence[int],
+                       host_keys: bytes | Sequence[int] = b"") -> SnapshotLoad | None:
+        """Start replacing what ``replica_id`` holds by a snapshot (as ``load_snapshot``), in steps.
+
+        The keys go into a spare (shadow) slot, ``snapshot_step`` by ``snapshot_step``;
+        lookups, key events and predictions for the replica keep using its current
+        entries until ``finish_snapshot`` swaps the slots (the current entries, and
+        what events and predictions added to them meanwhile, are then dropped: apply
+        the events after the snapshot's ``seq`` after the swap).  With no spare slot
+        free, the load falls back to loading in place, all at once, in
+        ``finish_snapshot`` (``SnapshotLoad.in_place``, counted in
+        ``stats.snapshots_in_place``).  Supersedes the replica's earlier load.  The
+        buffers are referenced, not copied: do not change them until the load ends.
+
+        Returns:
+            The load, or None (counted in ``stats.unknown_replica_events``) if the
+            index does not follow the replica.
+
+        Raises:
+            TypeError / ValueError: a buffer that is not whole uint64 keys (nothing changed).
         """
         rs = self._replicas.get(replica_id)
         if rs is None:
-            return
-        self.clear_replica(replica_id)
-        del self._replicas[replica_id]
-        heapq.heappush(self._free_slots, rs.slot)
+            self.stats.unknown_replica_events += 1
+            return None
+        parts: list[tuple[memoryview | Sequence[int], int, int]] = [
+            (*_chunkable(k), int(tier)) for k, tier in ((keys, Tier.GPU), (host_keys, Tier.HOST))]
+        self._supersede(rs)
+        load = SnapshotLoad(replica_id, rs, self._take_free_slot(), parts)
+        rs.load = load
+        if not load.in_place:
+            self._loads[replica_id] = load
+        return load
+
+    def snapshot_step(self, load: SnapshotLoad, max_keys: int = SNAPSHOT_STEP_KEYS) -> bool:
+        """Load up to ``max_keys`` (>= 1) more keys of ``load`` into its shadow slot.
+
+        Returns:
+            True when every key is in (always, for an in-place or inactive load):
+            call ``finish_snapshot`` then.
+
+        Raises:
+            TypeError / OverflowError: a bad key in this chunk of a sequence of ints (the
+                chunk is not applied; ``cancel_snapshot`` the load).
+        """
+        if max_keys < 1:
+            raise ValueError(f"max_keys must be >= 1, got {max_keys}")
+        if not load._active or load.in_place:
+            return True
+        budget = max_keys
+        parts = load._parts
+        while load._part < len(parts):
+            keys, n, tier = parts[load._part]
+            if load._pos >= n:
+                load._part += 1
+                load._pos = 0
+                continue
+            if budget == 0:
+                break
+            take = min(budget, n - load._pos)
+            if isinstance(keys, memoryview):
+                chunk: memoryview | Sequence[int] = keys[8 * load._pos:8 * (load._pos + take)]
+            else:
+                chunk = keys[load._pos:load._pos + take]
+            self._load_chunk(load, chunk, tier)
+            load._pos += take
+            budget -= take
+        return load._part >= len(parts)
+
+    def finish_snapshot(self, load: SnapshotLoad) -> bool:
+        """Swap ``load`` in: the replica answers from the loaded entries from now on; its
+        old slot (with its predictions and whatever events added since the load began)
+        is retired.  Keys ``snapshot_step`` has not loaded yet are loaded first, now; an
+        in-place load clears and loads now, in one pass.
+
+        Returns:
+            True once swapped (counted in ``stats.snapshots``); False if the load was
+            superseded (another snapshot, a clear or the replica's removal: its slot is
+            retired already), cancelled, or finished before.
+        """
+        if not load._active:
+            return False
+        rs = load._rs
+        if load.in_place:
+            gpu, _, _ = load._parts[0]
+            host, n_host, _ = load._parts[1]
+            rs.load = None
+            self.clear_replica(load.replica_id)
+            self.stats.snapshots += 1
+            self.stats.snapshots_in_place += 1
+            self._store(rs, gpu, Tier.GPU)
+            if n_host:
+                self._store(rs, host, Tier.HOST)
+            load._release()
+            return True
+        while not self.snapshot_step(load, sys.maxsize):
+            pass
+        del self._loads[load.replica_id]
+        rs.load = None
+        self._entries += load._gpu + load._host - rs.blocks - rs.host_blocks
+        self._retire(rs.slot, True, rs.host_blocks > 0)
+        rs.slot, rs.bit = load._slot, 1 << load._slot
+        rs.blocks, rs.host_blocks = load._gpu, load._host
         self._candidate_bits.clear()
+        stats = self.stats
+        stats.replica_clears += 1  # as load_snapshot's clear
+        stats.snapshots += 1
+        stats.keys_stored += load._gpu + load._host
+        stats.host_keys_stored += load._host
+        stats.over_capacity_keys += load._refused
+        stats.duplicate_keys += load._duplicates
+        load._release()
+        return True
+
+    def cancel_snapshot(self, load: SnapshotLoad) -> None:
+        """Drop ``load`` unswapped (e.g. the relay's stream broke); its slot is retired. A no-op once inactive."""
+        if load._active:
+            self._drop_load(load)
+
+    def _load_chunk(self, load: SnapshotLoad, chunk: memoryview | Sequence[int], tier: int) -> None:
+        # Room as if the replaced slot's entries were gone already (they will be at the swap).
+        room = max(self.max_blocks - self._projected_entries(), 0)
+        table = self._host if tier == Tier.HOST else self._holders
+        new, confirmed, duplicates, refused = table.add(chunk, load._slot, room)  # confirmed: 0, no predictions
+        if tier == Tier.HOST:
+            load._host += new + confirmed
+        else:
+            load._gpu += new + confirmed
+        load._refused += refused
+        load._duplicates += duplicates
+
+    def _projected_entries(self) -> int:
+        """Entries once every chunked load in flight is swapped in (its loaded entries for its replica's)."""
+        total = self._entries
+        for load in self._loads.values():
+            total += load._gpu + load._host - load._rs.blocks - load._rs.host_blocks
+        return total
+
+    def _supersede(self, rs: _Replica) -> None:
+        if rs.load is not None:
+            self._drop_load(rs.load)
+
+    def _drop_load(self, load: SnapshotLoad) -> None:
+        self.stats.snapshots_superseded += 1
+        load._rs.load = None
+        if not load.in_place:
+            del self._loads[load.replica_id]
+            self._retire(load._slot, load._gpu > 0, load._host > 0)
+        load._release()
 
     # ------------------------------------------------------------------ key events
 
@@ -258,7 +643,8 @@ class BlockIndex:
     def _store(self, rs: _Replica, keys: bytes | Sequence[int], tier: int) -> None:
         # In C: the replica's bit set in each new key's mask, predictions confirmed, and the
         # keys that would add an entry past max_blocks refused (duplicates do not count).
-        room = max(self.max_blocks - self._entries, 0)
+        used = max(self._entries, self._projected_entries()) if self._loads else self._entries
+        room = max(self.max_blocks - used, 0)
         table = self._host if tier == Tier.HOST else self._holders
         new, confirmed, duplicates, refused = table.add(_native(keys), rs.slot, room)
         self.stats.over_capacity_keys += refused

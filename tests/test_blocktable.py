@@ -103,6 +103,18 @@ class Model:
         self.until = {p: u for p, u in self.until.items() if p[1] != r}
         return len(held)
 
+    def masks(self) -> dict[int, int]:
+        """key -> mask of every key held, in one pass (``mask`` is one pass a key)."""
+        out: dict[int, int] = {}
+        for k, r in self.real | set(self.until):
+            out[k] = out.get(k, 0) | 1 << r
+        return out
+
+    def entries(self, r: int) -> tuple[int, int]:
+        """What ``BlockTable.replica_entries(r)`` must say: keys with r's bit, and r's predictions."""
+        predicted = sum(1 for _, q in self.until if q == r)
+        return sum(1 for _, q in self.real if q == r) + predicted, predicted
+
 
 def check_same(table: BlockTable, model: Model, keys: list[int]) -> None:
     held = {k for k, _ in model.real} | {k for k, _ in model.until}
@@ -113,6 +125,16 @@ def check_same(table: BlockTable, model: Model, keys: list[int]) -> None:
         assert (k in table) == (k in held)
         for r in REPLICAS:
             assert table.until(k, r) == model.until.get((k, r))
+
+
+def check_same_fast(table: BlockTable, model: Model, keys: list[int]) -> None:
+    """``check_same`` for larger models: the masks computed once."""
+    masks = model.masks()
+    assert len(table) == len(masks) and table.num_predictions == len(model.until)
+    for k in keys:
+        assert table.get(k) == masks.get(k)
+    for (k, r), until in model.until.items():
+        assert table.until(k, r) == until
 
 
 def unpack(tracked: bytes) -> list[int]:
@@ -258,6 +280,209 @@ def test_tables_grow_for_new_keys_only_and_shrink_when_emptied() -> None:
     assert new == len(keys) and table.memory_bytes() >= 2 * 2 * 24 * len(keys)
     assert table.expire(tracked, 5, 1.0) == len(keys)
     assert len(table) == 0 and table.num_predictions == 0 and table.memory_bytes() < one_replica / 100
+
+
+def clear_in_steps(table: BlockTable, r: int, max_slots: int, between=None) -> int:
+    """``clear_replica_part`` until done, ``between()`` run between two calls; returns the real keys dropped."""
+    start, dropped, done = 0, 0, False
+    while not done:
+        start, n, done = table.clear_replica_part(r, start, max_slots)
+        dropped += n
+        if not done and between is not None:
+            between()
+    assert start == 0
+    return dropped
+
+
+@pytest.mark.parametrize("max_slots", [1, 7, 64, 10_000])
+def test_partial_clear_drops_every_entry_of_the_replica_and_nothing_else(max_slots: int) -> None:
+    rng = random.Random(max_slots)
+    keys = [rng.getrandbits(64) for _ in range(2_000)]
+    table, model = BlockTable(seed=11), Model()
+    for r in REPLICAS:
+        batch = rng.sample(keys, 700)
+        assert table.add(batch, r, 2**62) == model.add(batch, r)
+        batch = rng.sample(keys, 300)
+        new, tracked = table.predict(batch, r, 5.0)
+        assert (new, unpack(tracked)) == model.predict(batch, r, 5.0)
+    held = sum(1 for _, r in model.real if r == 64)
+    assert table.replica_entries(64) == model.entries(64) and held > 0 and model.entries(64)[1] > 0
+    assert clear_in_steps(table, 64, max_slots) == model.clear_replica(64) == held
+    assert table.replica_entries(64) == (0, 0)
+    check_same_fast(table, model, keys)
+    # The replica's slot holds nothing now: it starts afresh.
+    assert table.add(keys[:3], 64, 2**62) == model.add(keys[:3], 64)
+    check_same_fast(table, model, keys)
+
+
+def test_a_deletion_between_two_steps_that_moves_an_entry_back_past_the_scan_is_followed() -> None:
+    """The case that backing off over the cursor's run misses: slots h, h+1, h+2 hold a (home h, replica 0),
+    b (home h+1, replica 0) and x (home h, replica 5, the one being cleared), the scan stopped at h+2.
+    Removing a shifts x back to h; removing b then empties h+1, so the run before the cursor is empty, yet x
+    sits below it."""
+    rng = random.Random(7)
+    seed, h = 99, 10
+    a, x = colliding_keys(seed, 64, h, 1, 2, rng)  # both home h
+    (b,) = colliding_keys(seed, 64, h + 1, 1, 1, rng)
+    table = BlockTable(seed=seed)
+    table.add([a, b], 0, 2**62)
+    table.add([x], 5, 2**62)
+    assert table.capacity == table.prediction_capacity == 64
+    # The predictions' 64 slots (none of replica 5), then the holders' slots 0 .. h+1: the cursor is at h+2.
+    start, dropped, done = table.clear_replica_part(5, 0, 64 + h + 2)
+    assert (dropped, done) == (0, False) and table.get(x) == 1 << 5
+    assert table.remove([a], 0) == (1, 0) and table.remove([b], 0) == (1, 0)
+    assert len(table) == 1 and table.get(x) == 1 << 5  # x moved from h+2 to h
+    _, dropped, done = table.clear_replica_part(5, start, 1_000)
+    assert (dropped, done) == (1, True)
+    assert len(table) == 0 and x not in table and table.replica_entries(5) == (0, 0)
+
+
+@pytest.mark.parametrize("seed", [0, 0x9E3779B97F4A7C15, 12345])
+def test_partial_clears_interleaved_with_other_replicas_and_rehashes_against_a_model(seed: int) -> None:
+    """Rounds: a replica gets keys (real and predicted), then is cleared in steps of random size while the
+    other replicas add, remove, predict, expire, and bursts of fresh keys grow the tables and their removal
+    shrinks them again; at the end of every round exactly the model's entries remain."""
+    rng = random.Random(seed)
+    # Long probe runs, one wrapping around the end of the array; keys crowded mod 64 stay crowded as it grows.
+    crowded = colliding_keys(seed, 64, 61, 4, 22, rng) + colliding_keys(seed, 64, 20, 3, 14, rng)
+    keys = crowded + [rng.getrandbits(64) for _ in range(10)]
+    table, model = BlockTable(seed=seed), Model()
+    records: list[tuple[int, bytes]] = []
+    now = [0.0]
+    rehashes_seen = set()
+    burst: dict[int, list[int]] = {}
+    bursts_left = [0]  # per round: a scan that starts over after every rehash must get to its end
+
+    def other_op(r_cleared: int) -> None:
+        r = rng.choice([q for q in REPLICAS if q != r_cleared])
+        batch = [rng.choice(keys) for _ in range(rng.randrange(0, 6))]
+        now[0] += 0.1
+        op = rng.random()
+        if op < 0.3:
+            assert table.add(batch, r, 2**62) == model.add(batch, r)
+        elif op < 0.5:
+            assert table.remove(batch, r) == model.remove(batch, r)
+        elif op < 0.7:
+            until = now[0] + rng.choice((0.1, 0.5, 2.0))
+            new, tracked = table.predict(batch, r, until)
+            assert (new, unpack(tracked)) == model.predict(batch, r, until)
+            records.append((r, tracked))
+            if len(records) > 40:
+                records.pop(0)  # never expired: a prediction that lives on
+        elif op < 0.9:
+            mine = [i for i, (q, _) in enumerate(records) if q != r_cleared]
+            if mine:
+                q, tracked = records.pop(rng.choice(mine))
+                assert table.expire(tracked, q, now[0]) == model.expire(unpack(tracked), q, now[0])
+        elif not bursts_left[0]:
+            pass
+        elif op < 0.93 and r not in burst:  # grow: many fresh keys at once
+            bursts_left[0] -= 1
+            burst[r] = [rng.getrandbits(64) for _ in range(rng.choice((50, 200, 600)))]
+            assert table.add(burst[r], r, 2**62) == model.add(burst[r], r)
+        elif burst:  # shrink: a burst goes again
+            bursts_left[0] -= 1
+            q = rng.choice(sorted(burst))
+            gone = burst.pop(q)
+            assert table.remove(gone, q) == model.remove(gone, q)
+        rehashes_seen.add(table.rehashes)
+
+    for _ in range(150):
+        r = rng.choice(REPLICAS)
+        records = [(q, tr) for q, tr in records if q != r]  # its predictions go with the clear
+        for _ in range(rng.randrange(1, 6)):
+            batch = [rng.choice(keys) for _ in range(rng.randrange(0, 12))]
+            assert table.add(batch, r, 2**62) == model.add(batch, r)
+            batch = [rng.choice(keys) for _ in range(rng.randrange(0, 8))]
+            until = now[0] + 1.0
+            assert table.predict(batch, r, until)[0] == model.predict(batch, r, until)[0]
+        if rng.random() < 0.1 and r not in burst:
+            burst[r] = [rng.getrandbits(64) for _ in range(300)]
+            model.add(burst[r], r)
+            table.add(burst[r], r, 2**62)
+        burst.pop(r, None)
+        want = model.clear_replica(r)
+        max_slots = rng.choice((1, 3, 16, 50, 200))
+        bursts_left[0] = 3
+        calls = [0]
+
+        def between(r: int = r, calls: list[int] = calls) -> None:
+            calls[0] += 1
+            if table.capacity > 256 and calls[0] % 8:
+                return  # small steps over a large table: other changes between some of them only
+            for _ in range(rng.randrange(0, 4)):
+                other_op(r)
+            if calls[0] % 16 == 0:  # the other replicas' entries are right all along
+                others = sum(1 << q for q in REPLICAS if q != r)
+                masks = model.masks()
+                for k in rng.sample(keys, 8):
+                    assert (table.get(k) or 0) & others == masks.get(k, 0)
+                    for q in REPLICAS:
+                        if q != r:
+                            assert table.until(k, q) == model.until.get((k, q))
+
+        assert clear_in_steps(table, r, max_slots, between) == want
+        assert table.replica_entries(r) == (0, 0)
+        check_same_fast(table, model, keys + [k for b in burst.values() for k in b])
+        for q in REPLICAS:
+            assert table.replica_entries(q) == model.entries(q)
+    assert len(rehashes_seen) > 10  # the tables grew and shrank between steps
+
+
+def test_partial_clear_starts_over_after_a_rehash() -> None:
+    rng = random.Random(2)
+    mine = [rng.getrandbits(64) for _ in range(1_000)]
+    table = BlockTable(seed=3)
+    table.add(mine, 1, 2**62)
+    assert table.predict([rng.getrandbits(64) for _ in range(100)], 1, 9.0)[0] == 100
+    capacity, rehashes = table.capacity, table.rehashes
+    start, dropped, done = table.clear_replica_part(1, 0, table.prediction_capacity + capacity // 2)
+    assert not done and 0 < dropped < 1_000 and table.num_predictions == 0  # the predictions went first
+    table.add([rng.getrandbits(64) for _ in range(5_000)], 2, 2**62)  # another replica grows the table
+    assert table.capacity > capacity and table.rehashes > rehashes
+    assert clear_in_steps(table, 1, 500) + dropped == 1_000  # the 100 predicted keys are not real
+    assert table.replica_entries(1) == (0, 0) and len(table) == 5_000 and table.num_predictions == 0
+
+
+def test_partial_clear_checks_its_arguments_and_shrinks_once_done() -> None:
+    table = BlockTable(seed=4)
+    keys = list(range(1, 5_001))
+    table.add(keys, 2, 2**62)
+    table.add(keys[:10], 3, 2**62)
+    big = table.capacity
+    before = (len(table), table.replica_entries(2), table.replica_entries(3))
+    for call in (
+        lambda: table.clear_replica_part(2, 5, 10),  # no clear in progress: start must be 0
+        lambda: table.clear_replica_part(2, 0, 0),
+        lambda: table.clear_replica_part(2, -1, 10),
+        lambda: table.clear_replica_part(MAX_REPLICAS, 0, 10),
+        lambda: table.clear_replica_part(2, 0),
+        lambda: table.clear_replica_part("2", 0, 10),
+        lambda: table.clear_replica_part(2, 0, 1.5),
+    ):
+        with pytest.raises((TypeError, ValueError, OverflowError)):
+            call()
+        assert (len(table), table.replica_entries(2), table.replica_entries(3)) == before
+    start, first, done = table.clear_replica_part(2, 0, 100)
+    assert not done and start != 0
+    with pytest.raises(ValueError):
+        table.clear_replica_part(3, start, 100)  # another replica's clear: from 0
+    with pytest.raises(ValueError):
+        table.clear_replica_part(2, start + 2, 100)  # not the token returned
+    rest = 0
+    while not done:  # the refused calls changed nothing: the clear goes on from its token
+        start, n, done = table.clear_replica_part(2, start, 4_096)
+        rest += n
+    assert first + rest == 5_000
+    assert table.replica_entries(2) == (0, 0) and len(table) == 10 and table.get(1) == 1 << 3
+    assert table.capacity < big  # at most 1/8 full once done: shrunk
+    # A new clear abandons the one in progress: its token is refused after.
+    start, _, _ = table.clear_replica_part(3, 0, 10)
+    table.clear_replica_part(2, 0, 10)
+    with pytest.raises(ValueError):
+        table.clear_replica_part(3, start, 10)
+    assert clear_in_steps(table, 3, 10) == 10 and len(table) == 0
 
 
 _PREDICT_UNDER_A_MEMORY_LIMIT = """

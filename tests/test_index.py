@@ -18,6 +18,7 @@ from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_b
 from routing.index import BlockIndex
 from routing.key_events import AllKeysCleared, KeysRemoved, KeysStored, keys_to_bytes
 from routing.relay import KeyRelay, RelayStats
+from routing.tiers import Tier
 
 BS = 4
 
@@ -456,3 +457,456 @@ def test_keys_stored_names_the_parent_of_its_first_new_key() -> None:
     assert relay.apply([stored([9], TOKS[:4])]) == []  # block 0 under another engine hash: no new key
     (ev,) = relay.apply([stored([4], TOKS[12:16], parent=3)])
     assert ev.parent == KEYS[2] and ev.keys == keys_to_bytes(KEYS[3:4])
+
+
+# ---------------------------------------------------------------------- deferred clears and chunked snapshots
+
+def keys_of(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.getrandbits(64) for _ in range(n)]
+
+
+def slot_of(idx: BlockIndex, rid: str) -> int:
+    return idx._replicas[rid].slot
+
+
+def drain(idx: BlockIndex, max_slots: int = 100) -> int:
+    """``clear_step`` until no work is left; returns the steps taken."""
+    steps = 0
+    while idx.clear_step(max_slots):
+        steps += 1
+    return steps + 1
+
+
+def test_remove_replica_retires_its_slot_and_clear_steps_empty_it() -> None:
+    idx = BlockIndex(inline_clear_slots=0)  # every clear deferred, however small the tables
+    for rid in R:
+        idx.add_replica(rid)
+    mine, shared = keys_of(300, 1), keys_of(50, 2)
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(mine + shared))])
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(mine[:40]), Tier.HOST)])
+    idx.apply_keys("r1", [KeysStored(None, keys_to_bytes(shared))])
+    idx.predict("r0", keys_of(20, 3), now=0.0, ttl_s=10.0)
+    old = slot_of(idx, "r0")
+    assert idx._holders.replica_entries(old) == (370, 20) and idx._host.replica_entries(old) == (40, 0)
+    idx.remove_replica("r0")
+    # Detached at once: not followed, nothing counted, nothing matched; its entries wait for clear_step.
+    assert idx.replicas() == ["r1", "r2"] and idx.num_replica_blocks == 50 and idx.pending_clears == 1
+    assert idx.match(mine, ("r0", "r1"), 1.0) == {"r0": 0, "r1": 0}
+    assert idx.match(shared, ("r0", "r1"), 1.0) == {"r0": 0, "r1": 50}
+    assert idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(mine))]) is False
+    assert idx.num_keys == 370  # not yet cleared
+    assert idx.clear_step(10) is True  # a step of 10 slots does not clear 128 + 1024 + 128 + 64 slots
+    steps = drain(idx, 100)
+    assert steps > 5 and idx.pending_clears == 0 and idx.clear_step() is False
+    assert idx._holders.replica_entries(old) == (0, 0) and idx._host.replica_entries(old) == (0, 0)
+    assert idx.num_keys == 50 and idx.num_host_keys == 0 and idx.num_replica_blocks == 50
+    # The slot is free again: the next replica gets it and holds nothing.
+    idx.add_replica("r3")
+    assert slot_of(idx, "r3") == old
+    assert idx.match(mine + shared, ("r3",), 1.0) == {"r3": 0}
+    assert idx.match_tiers(mine, ("r3",), 1.0) == {"r3": (0, 0)}
+    assert idx.stats.replica_clears == 1
+
+
+def test_a_retired_slot_is_not_reused_before_it_is_clean() -> None:
+    idx = BlockIndex(inline_clear_slots=0)
+    idx.add_replica("r0")
+    idx.add_replica("r1")
+    keys = keys_of(500, 4)
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(keys))])
+    old = slot_of(idx, "r0")
+    idx.remove_replica("r0")
+    idx.add_replica("r2")  # a never used slot, not the retired one
+    assert slot_of(idx, "r2") not in (old, slot_of(idx, "r1"))
+    idx.add_replica("r0")  # followed again: a fresh slot, nothing inherited
+    assert slot_of(idx, "r0") != old and idx.match(keys, ("r0",), 0.0) == {"r0": 0}
+    drain(idx)
+    idx.add_replica("r3")
+    assert slot_of(idx, "r3") == old and idx.match(keys, ("r3",), 0.0) == {"r3": 0}
+
+
+def test_small_tables_are_cleared_at_once() -> None:
+    """Tables no bigger than ``inline_clear_slots`` cost a step at most: removal clears them now."""
+    idx = BlockIndex()  # the default: CLEAR_STEP_SLOTS
+    idx.add_replica("r0")
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(KEYS))])
+    old = slot_of(idx, "r0")
+    idx.remove_replica("r0")
+    assert idx.pending_clears == 0 and idx.num_keys == 0 and idx._holders.replica_entries(old) == (0, 0)
+    idx.add_replica("r1")
+    assert slot_of(idx, "r1") == old
+
+
+def test_clear_replica_moves_the_replica_to_a_fresh_slot() -> None:
+    idx = BlockIndex(inline_clear_slots=0)
+    for rid in R:
+        idx.add_replica(rid)
+    keys = keys_of(400, 5)
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(keys))])
+    idx.apply_keys("r1", [KeysStored(None, keys_to_bytes(keys[:10]))])
+    idx.predict("r0", KEYS, now=0.0, ttl_s=5.0)
+    old = slot_of(idx, "r0")
+    idx.apply_keys("r0", [AllKeysCleared()])
+    new = slot_of(idx, "r0")
+    assert new != old and idx.pending_clears == 1 and idx.stats.replica_clears == 1
+    assert idx.replica_blocks("r0") == 0 and idx.num_replica_blocks == 10
+    assert idx.match(keys, R, 1.0) == {"r0": 0, "r1": 10, "r2": 0}
+    assert idx.match(KEYS, R, 1.0)["r0"] == 0  # the predictions went with the old slot
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(keys[:3]))])  # fresh after the clear
+    assert idx.match(keys, R, 1.0) == {"r0": 3, "r1": 10, "r2": 0}
+    drain(idx, 7)
+    assert idx._holders.replica_entries(old) == (0, 0)
+    assert idx._holders.replica_entries(new) == (3, 0) and idx.num_keys == 10
+    # A tier's clear stays inline, on the replica's slot.
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(keys[:5]), Tier.HOST)])
+    idx.clear_replica("r0", Tier.HOST)
+    assert slot_of(idx, "r0") == new and idx.pending_clears == 0 and idx.num_host_keys == 0
+    assert idx.replica_blocks("r0") == 3
+
+
+def test_clear_replica_with_no_free_slot_clears_in_place() -> None:
+    from routing.index import MAX_REPLICAS
+
+    idx = BlockIndex(inline_clear_slots=0)
+    ids = [f"r{i}" for i in range(MAX_REPLICAS)]
+    for rid in ids:
+        idx.add_replica(rid)
+    idx.apply_keys("r7", [KeysStored(None, keys_to_bytes(KEYS))])
+    slot = slot_of(idx, "r7")
+    idx.clear_replica("r7")
+    assert slot_of(idx, "r7") == slot and idx.pending_clears == 0 and idx.num_keys == 0
+
+
+def test_add_replica_reclaims_a_retired_slot_rather_than_refuse() -> None:
+    from routing.index import MAX_REPLICAS
+
+    idx = BlockIndex(inline_clear_slots=0)
+    ids = [f"r{i}" for i in range(MAX_REPLICAS)]
+    for rid in ids:
+        idx.add_replica(rid)
+    keys = keys_of(300, 6)
+    for rid in ("r5", "r9"):
+        idx.apply_keys(rid, [KeysStored(None, keys_to_bytes(keys))])
+        idx.predict(rid, KEYS, now=0.0, ttl_s=5.0)
+    s5, s9 = slot_of(idx, "r5"), slot_of(idx, "r9")
+    idx.remove_replica("r5")
+    idx.remove_replica("r9")
+    idx.clear_step(50)  # r5's clear under way, r9's waiting
+    assert idx.pending_clears == 2
+    assert idx.add_replica("new1") and slot_of(idx, "new1") == s5  # finishes the clear in progress
+    assert idx.add_replica("new2") and slot_of(idx, "new2") == s9  # clears a waiting one whole
+    assert idx.pending_clears == 0 and idx.stats.replicas_refused == 0
+    assert idx.match(keys, ("new1", "new2"), 1.0) == {"new1": 0, "new2": 0}
+    assert idx.match(KEYS, ("new1", "new2"), 1.0) == {"new1": 0, "new2": 0}
+    assert idx._holders.replica_entries(s5) == idx._holders.replica_entries(s9) == (0, 0)
+    assert idx.num_keys == 0 and idx._holders.num_predictions == 0
+    assert idx.add_replica("new3") is False and idx.stats.replicas_refused == 1  # nothing left to reclaim
+
+
+def test_lookups_during_a_chunked_snapshot_answer_from_the_old_entries() -> None:
+    idx = BlockIndex(inline_clear_slots=0)
+    for rid in R:
+        idx.add_replica(rid)
+    old_keys, new_keys = keys_of(200, 7), keys_of(250, 8)
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(old_keys))])
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(old_keys[:30]), Tier.HOST)])
+    idx.apply_keys("r1", [KeysStored(None, keys_to_bytes(new_keys[:20]))])
+    idx.predict("r0", KEYS, now=0.0, ttl_s=50.0)
+    before = dict(stats=idx.stats.as_dict())
+    load = idx.begin_snapshot("r0", keys_to_bytes(new_keys), keys_to_bytes(new_keys[:60]))
+    assert load is not None and not load.in_place and load.keys_left == 310 and load.active
+    steps = 0
+    while not idx.snapshot_step(load, 64):
+        steps += 1
+        # Mid-load the replica still answers from what it held: old keys, old host keys, predictions.
+        assert idx.match(old_keys, R, 1.0) == {"r0": 200, "r1": 0, "r2": 0}
+        assert idx.match(new_keys, R, 1.0) == {"r0": 0, "r1": 20, "r2": 0}
+        assert idx.match_tiers(old_keys, ("r0",), 1.0) == {"r0": (200, 200)}
+        assert idx.match(KEYS, ("r0",), 1.0) == {"r0": len(KEYS)}
+        assert idx.replica_blocks("r0") == 200 and idx.replica_host_blocks("r0") == 30
+        assert idx.num_replica_blocks == 250
+    assert steps == 4 and load.keys_left == 0  # 310 keys in steps of 64
+    assert idx.stats.as_dict() == before["stats"]  # counted at the swap
+    old = slot_of(idx, "r0")
+    assert idx.finish_snapshot(load) is True and not load.active
+    assert slot_of(idx, "r0") != old and idx.pending_clears == 1
+    assert idx.match(new_keys, R, 1.0) == {"r0": 250, "r1": 20, "r2": 0}
+    assert idx.match(old_keys, R, 1.0) == {"r0": 0, "r1": 0, "r2": 0}
+    assert idx.match(KEYS, ("r0",), 1.0) == {"r0": 0}  # predictions went with the old state
+    assert idx.match_tiers(new_keys, ("r0",), 1.0) == {"r0": (250, 250)}
+    assert idx.replica_blocks("r0") == 250 and idx.replica_host_blocks("r0") == 60
+    assert idx.num_replica_blocks == 330
+    s = idx.stats
+    assert (s.snapshots, s.replica_clears, s.snapshots_in_place, s.snapshots_superseded) == (1, 1, 0, 0)
+    assert s.keys_stored == before["stats"]["keys_stored"] + 310
+    assert s.host_keys_stored == before["stats"]["host_keys_stored"] + 60
+    drain(idx)
+    assert idx._holders.replica_entries(old) == (0, 0) and idx._host.replica_entries(old) == (0, 0)
+    assert idx.num_keys == 250 and idx.num_host_keys == 60
+    assert idx.finish_snapshot(load) is False  # once
+
+
+def test_finish_snapshot_loads_what_the_steps_did_not_and_any_key_form_works() -> None:
+    from array import array
+
+    keys = keys_of(100, 9)
+    for form in (keys_to_bytes(keys), keys, tuple(keys), array("Q", keys), memoryview(array("Q", keys)),
+                 bytearray(keys_to_bytes(keys))):
+        idx = BlockIndex()
+        idx.add_replica("r0")
+        load = idx.begin_snapshot("r0", form)  # type: ignore[arg-type]
+        assert load is not None
+        idx.snapshot_step(load, 30)
+        assert load.keys_left == 70
+        assert idx.finish_snapshot(load)
+        assert idx.match(keys, ("r0",), 0.0) == {"r0": 100} and idx.replica_blocks("r0") == 100
+        if isinstance(form, bytearray):
+            form.extend(b"\0" * 8)  # the load let go of the buffer
+
+
+def test_a_bad_snapshot_buffer_is_refused_before_any_change() -> None:
+    from array import array
+
+    idx = BlockIndex()
+    idx.add_replica("r0")
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(KEYS[:3]))])
+    for bad in (b"\0" * 12, array("d", [1.0]), array("q", [1]), array("I", [1, 2]),
+                memoryview(array("Q", [1, 2, 3, 4]))[::2], {1, 2}, 5):
+        with pytest.raises((TypeError, ValueError)):
+            idx.begin_snapshot("r0", bad)  # type: ignore[arg-type]
+    with pytest.raises((TypeError, ValueError)):
+        idx.begin_snapshot("r0", b"", b"\0" * 7)
+    assert idx.match(KEYS, ("r0",), 0.0) == {"r0": 3} and idx.pending_clears == 0 and not idx._loads
+    assert idx.begin_snapshot("r9", b"") is None and idx.stats.unknown_replica_events == 1
+    load = idx.begin_snapshot("r0", [KEYS[0], -1])  # ints are checked as they are loaded
+    assert load is not None
+    with pytest.raises(OverflowError):
+        idx.snapshot_step(load)
+    idx.cancel_snapshot(load)
+    assert idx.finish_snapshot(load) is False and idx.match(KEYS, ("r0",), 0.0) == {"r0": 3}
+    assert idx.stats.snapshots_superseded == 1
+
+
+@pytest.mark.parametrize("how", ["snapshot", "begin", "clear", "cleared_event", "remove", "cancel"])
+def test_a_superseded_load_is_not_swapped_in_and_its_slot_is_retired(how: str) -> None:
+    idx = BlockIndex(inline_clear_slots=0)
+    idx.add_replica("r0")
+    idx.add_replica("r1")
+    old_keys, new_keys = keys_of(100, 10), keys_of(100, 11)
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(old_keys))])
+    load = idx.begin_snapshot("r0", keys_to_bytes(new_keys))
+    assert load is not None
+    idx.snapshot_step(load, 40)
+    shadow = load._slot
+    assert idx._holders.replica_entries(shadow) == (40, 0)
+    if how == "snapshot":
+        idx.load_snapshot("r0", keys_to_bytes(old_keys[:5]))
+    elif how == "begin":
+        second = idx.begin_snapshot("r0", keys_to_bytes(old_keys[:5]))
+        assert second is not None
+        assert idx.finish_snapshot(second)
+    elif how == "clear":
+        idx.clear_replica("r0")
+    elif how == "cleared_event":
+        idx.apply_keys("r0", [AllKeysCleared(Tier.GPU)])
+    elif how == "remove":
+        idx.remove_replica("r0")
+    else:
+        idx.cancel_snapshot(load)
+        idx.cancel_snapshot(load)  # a no-op once inactive
+    assert not load.active and load.keys_left == 0
+    assert idx.snapshot_step(load) is True  # nothing to do
+    assert idx.finish_snapshot(load) is False
+    assert idx.stats.snapshots_superseded == 1
+    assert idx.match(new_keys, ("r0",), 0.0) == {"r0": 0}
+    if how in ("snapshot", "begin"):
+        assert idx.match(old_keys, ("r0",), 0.0) == {"r0": 5} and idx.replica_blocks("r0") == 5
+    elif how in ("clear", "cleared_event"):
+        assert idx.replica_blocks("r0") == 0 and idx.match(old_keys, ("r0",), 0.0) == {"r0": 0}
+    elif how == "cancel":
+        assert idx.match(old_keys, ("r0",), 0.0) == {"r0": 100} and idx.replica_blocks("r0") == 100
+    drain(idx)
+    assert idx._holders.replica_entries(shadow) == (0, 0)
+    assert shadow in idx._free_slots and not idx._loads
+
+
+def test_without_a_spare_slot_a_load_falls_back_to_in_place() -> None:
+    from routing.index import MAX_REPLICAS
+
+    idx = BlockIndex(inline_clear_slots=0)
+    ids = [f"r{i}" for i in range(MAX_REPLICAS)]
+    for rid in ids:
+        idx.add_replica(rid)
+    old_keys, new_keys = keys_of(100, 12), keys_of(80, 13)
+    idx.apply_keys("r3", [KeysStored(None, keys_to_bytes(old_keys))])
+    load = idx.begin_snapshot("r3", keys_to_bytes(new_keys), keys_to_bytes(new_keys[:10]))
+    assert load is not None and load.in_place
+    assert idx.snapshot_step(load, 10) is True  # nothing to do in steps
+    assert idx.match(old_keys, ("r3",), 0.0) == {"r3": 100}  # the old entries until the finish
+    slot = slot_of(idx, "r3")
+    assert idx.finish_snapshot(load) is True
+    assert slot_of(idx, "r3") == slot and idx.pending_clears == 0
+    assert idx.match(new_keys, ("r3",), 0.0) == {"r3": 80} and idx.match(old_keys, ("r3",), 0.0) == {"r3": 0}
+    assert idx.replica_host_blocks("r3") == 10 and idx.num_keys == 80
+    assert (idx.stats.snapshots, idx.stats.snapshots_in_place, idx.stats.replica_clears) == (1, 1, 1)
+
+
+def test_a_load_has_the_room_of_the_entries_it_replaces() -> None:
+    """At the cap, a snapshot replacing a replica's entries is not refused for them; the others' stores
+    are refused for the room the load will take."""
+    old_keys, new_keys = keys_of(4, 14), keys_of(4, 15)
+    idx = BlockIndex(max_blocks=5, inline_clear_slots=0)
+    idx.add_replica("r0")
+    idx.add_replica("r1")
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(old_keys))])
+    idx.apply_keys("r1", [KeysStored(None, keys_to_bytes(KEYS[:1]))])
+    assert idx.num_replica_blocks == 5
+    load = idx.begin_snapshot("r0", keys_to_bytes(new_keys))
+    assert load is not None
+    while not idx.snapshot_step(load, 1):
+        pass
+    assert load._refused == 0
+    idx.apply_keys("r1", [KeysStored(None, keys_to_bytes(KEYS[1:2]))])  # no room: the load holds 4
+    assert idx.stats.over_capacity_keys == 1
+    assert idx.finish_snapshot(load)
+    assert idx.num_replica_blocks == 5 and idx.match(new_keys, ("r0",), 0.0) == {"r0": 4}
+    assert idx.stats.over_capacity_keys == 1
+    # A load bigger than the room it frees is refused past the cap, and counted at the swap.
+    load = idx.begin_snapshot("r0", keys_to_bytes(old_keys + list(KEYS[:3])))
+    assert load is not None
+    idx.snapshot_step(load, 2)
+    idx.snapshot_step(load, 100)
+    assert idx.finish_snapshot(load)
+    assert idx.replica_blocks("r0") == 4 and idx.num_replica_blocks == 5 and idx.stats.over_capacity_keys == 4
+    assert idx.match(old_keys, ("r0",), 0.0) == {"r0": 4}
+
+
+def test_two_loads_at_once_share_the_room() -> None:
+    idx = BlockIndex(max_blocks=6, inline_clear_slots=0)
+    for rid in R:
+        idx.add_replica(rid)
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(keys_of(2, 16)))])
+    idx.apply_keys("r1", [KeysStored(None, keys_to_bytes(keys_of(2, 17)))])
+    a = idx.begin_snapshot("r0", keys_to_bytes(keys_of(3, 18)))
+    b = idx.begin_snapshot("r1", keys_to_bytes(keys_of(3, 19)))
+    assert a is not None and b is not None
+    idx.snapshot_step(a)  # 3 of the 6: r1's 2 stay until its swap
+    idx.snapshot_step(b)  # 6 - 3 (a) = 3 left once r1's own 2 go
+    assert (a._refused, b._refused) == (0, 0)
+    idx.apply_keys("r2", [KeysStored(None, keys_to_bytes(KEYS[:2]))])  # nothing left for r2
+    assert idx.stats.over_capacity_keys == 2
+    assert idx.finish_snapshot(a) and idx.finish_snapshot(b)
+    assert idx.num_replica_blocks == 6
+
+
+def test_stale_expiry_entries_of_an_old_slot_expire_nothing_early() -> None:
+    """The expiry heap names replicas, not slots: an entry pushed before a clear moved the replica
+    resolves to its new slot, where the C expire retires only predictions whose own expiry passed."""
+    idx = BlockIndex(inline_clear_slots=0)
+    idx.add_replica("r0")
+    idx.add_replica("r1")
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(keys_of(200, 20)))])  # tables past inline size
+    idx.predict("r0", KEYS[:5], now=0.0, ttl_s=1.0)  # heap: until 1.0
+    idx.clear_replica("r0")  # moves: the old slot's predictions go with it
+    idx.predict("r0", KEYS[:5], now=0.5, ttl_s=9.5)  # the new slot: until 10.0
+    assert idx.match(KEYS, ("r0",), 2.0) == {"r0": 5}  # the stale until-1.0 entry popped, nothing expired
+    assert idx.stats.predictions_expired == 0
+    load = idx.begin_snapshot("r0", keys_to_bytes(KEYS[:2]))
+    assert load is not None and idx.finish_snapshot(load)
+    idx.predict("r0", KEYS[:4], now=3.0, ttl_s=20.0)  # after the swap: until 23.0 (2 blocks really held)
+    assert idx.match(KEYS, ("r0",), 10.0) == {"r0": 4}  # the until-10.0 entry expires nothing of these
+    assert idx.match(KEYS, ("r0",), 23.0) == {"r0": 2} and idx.stats.predictions_expired == 2
+    drain(idx)
+    assert idx._holders.num_predictions == 0 and idx.num_keys == 2
+
+
+def test_load_snapshot_still_clears_and_loads_at_once() -> None:
+    """The synchronous load: same answers and counters; on large tables its clear is a slot move."""
+    idx = BlockIndex(inline_clear_slots=0)
+    for rid in R:
+        idx.add_replica(rid)
+    big = keys_of(500, 21)
+    idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(big))])
+    idx.predict("r0", KEYS, now=0.0, ttl_s=10.0)
+    assert idx.load_snapshot("r0", keys_to_bytes(KEYS[:5]), keys_to_bytes(KEYS[:2]))
+    assert idx.match(KEYS, R, 1.0) == {"r0": 5, "r1": 0, "r2": 0} and idx.match(big, ("r0",), 1.0) == {"r0": 0}
+    assert (idx.stats.snapshots, idx.stats.replica_clears, idx.stats.keys_stored) == (1, 1, 507)
+    assert idx.replica_blocks("r0") == 5 and idx.replica_host_blocks("r0") == 2 and idx.num_replica_blocks == 7
+    drain(idx)
+    assert idx.num_keys == 5
+
+
+def test_randomized_deferred_clears_and_loads_against_a_model() -> None:
+    """Random adds, removes, clears, replica churn, chunked loads (finished, superseded, cancelled) and
+    clear steps, with deferred clears on: every followed replica's entries match a set model, and once
+    every clear is done no slot outside the followed ones (and loads) holds anything."""
+    rng = random.Random(99)
+    idx = BlockIndex(inline_clear_slots=0)
+    vocab = keys_of(400, 22)
+    ids = [f"r{i}" for i in range(8)]
+    model: dict[str, set[int]] = {}
+    host: dict[str, set[int]] = {}
+    loads: dict[str, tuple[object, set[int], set[int]]] = {}
+    for step in range(2_500):
+        rid = rng.choice(ids)
+        op = rng.random()
+        if rid not in model:
+            if op < 0.5:
+                assert idx.add_replica(rid)
+                model[rid], host[rid] = set(), set()
+        elif op < 0.3:
+            batch = rng.sample(vocab, rng.randrange(1, 30))
+            idx.apply_keys(rid, [KeysStored(None, keys_to_bytes(batch))])
+            model[rid] |= set(batch)
+        elif op < 0.4:
+            batch = rng.sample(vocab, rng.randrange(1, 10))
+            idx.apply_keys(rid, [KeysStored(None, keys_to_bytes(batch), Tier.HOST)])
+            host[rid] |= set(batch)
+        elif op < 0.55:
+            batch = rng.sample(sorted(model[rid]), min(len(model[rid]), rng.randrange(1, 20)))
+            idx.apply_keys(rid, [KeysRemoved(keys_to_bytes(batch))])
+            model[rid] -= set(batch)
+        elif op < 0.6:
+            idx.apply_keys(rid, [AllKeysCleared()])
+            model[rid], host[rid] = set(), set()
+            loads.pop(rid, None)
+        elif op < 0.65:
+            idx.remove_replica(rid)
+            del model[rid], host[rid]
+            loads.pop(rid, None)
+        elif op < 0.72:
+            gpu_keys = rng.sample(vocab, rng.randrange(0, 120))
+            host_keys = rng.sample(vocab, rng.randrange(0, 20))
+            load = idx.begin_snapshot(rid, keys_to_bytes(gpu_keys), host_keys)
+            assert load is not None
+            loads[rid] = (load, set(gpu_keys), set(host_keys))
+        elif op < 0.85 and rid in loads:
+            load, gpu_keys, host_keys = loads[rid]
+            if idx.snapshot_step(load, rng.randrange(1, 50)) and rng.random() < 0.5:
+                assert idx.finish_snapshot(load)
+                model[rid], host[rid] = gpu_keys, host_keys
+                del loads[rid]
+            elif rng.random() < 0.05:
+                idx.cancel_snapshot(load)
+                del loads[rid]
+        else:
+            idx.clear_step(rng.choice((1, 10, 100, 1000)))
+        if step % 25 == 0:
+            assert sorted(idx.replicas()) == sorted(model)
+            assert idx.num_replica_blocks == sum(map(len, model.values())) + sum(map(len, host.values()))
+            for r in model:
+                slot = slot_of(idx, r)
+                assert idx.replica_blocks(r) == len(model[r]) and idx.replica_host_blocks(r) == len(host[r])
+                for k in rng.sample(vocab, 30):
+                    assert bool((idx._holders.get(k) or 0) >> slot & 1) == (k in model[r])
+                    assert bool((idx._host.get(k) or 0) >> slot & 1) == (k in host[r])
+    for load, _, _ in loads.values():
+        idx.cancel_snapshot(load)  # type: ignore[arg-type]
+    drain(idx, 1000)
+    live = {slot_of(idx, r) for r in model}
+    for slot in range(128):
+        if slot not in live:
+            assert idx._holders.replica_entries(slot) == (0, 0) and idx._host.replica_entries(slot) == (0, 0)
+    assert idx.num_keys == len(set().union(*model.values())) if model else idx.num_keys == 0
+    assert idx.num_host_keys == len(set().union(*host.values())) if host else idx.num_host_keys == 0
