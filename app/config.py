@@ -19,9 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from routing import defaults
-from routing.affinity import AffinityRouter
 from routing.index import BlockIndex
 from routing.policy import PolicyConfig
+from routing.router_state import RouterState
 from routing.tiers import HOST_LINK_BYTES_PER_S
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -152,8 +152,8 @@ class RouterConfig(_Strict):
                     "prefix hit in an engine's host-memory KV tier; default PCIe 4.0 x16 (routing.tiers)",
     )
 
-    def affinity_router(self, rng: random.Random | None = None, index: BlockIndex | None = None) -> AffinityRouter:
-        """A fresh ``routing.affinity.AffinityRouter`` with these knobs.
+    def router_state(self, rng: random.Random | None = None, index: BlockIndex | None = None) -> RouterState:
+        """A fresh ``routing.router_state.RouterState`` with these knobs.
 
         The live router, the simulator and the router microbenchmark build theirs
         here, so they run the same settings.  ``index``: an index already built
@@ -165,10 +165,10 @@ class RouterConfig(_Strict):
                               eviction_weight=self.eviction_weight)
         if index is None:
             index = BlockIndex(max_blocks=self.max_indexed_blocks)
-        return AffinityRouter(index, load_factor=self.load_factor,
-                              predicted_ttl_s=self.predicted_ttl_s,
-                              queued_predicted_ttl_s=self.queued_predicted_ttl_s, stale_events_s=self.stale_events_s,
-                              rng=rng, policy=policy, host_link_bytes_per_s=self.host_link_gb_per_s * 1e9)
+        return RouterState(index, load_factor=self.load_factor, predicted_ttl_s=self.predicted_ttl_s,
+                           queued_predicted_ttl_s=self.queued_predicted_ttl_s, stale_events_s=self.stale_events_s,
+                           rng=rng, policy=policy, host_link_bytes_per_s=self.host_link_gb_per_s * 1e9,
+                           block_size=self.block_size)
 
 
 class TracingConfig(_Strict):

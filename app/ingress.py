@@ -52,6 +52,7 @@ import logging
 import os
 import re
 import time
+import uuid
 from array import array
 from collections.abc import AsyncIterator
 from contextlib import contextmanager
@@ -145,18 +146,25 @@ async def _require_api_key(request: Request, call_next):
     return await call_next(request)
 
 
-def _tell_routers_first_token(request_id: str) -> None:
-    """Tell this process's prefix-affinity routers that ``request_id`` has its first output.
+def _tell_routers_first_token(route_id: str) -> None:
+    """Tell this process's prefix-affinity routers that ``EngineRequest.route_id`` has its first output
+    (a message posted to each router's loop: the ingress never touches router state).
 
     Router bookkeeping must never fail a request: errors are logged and counted
     (``prefix_serve_router_fallbacks_total{cause="first_token"}``).
     """
     try:
         for router in list(metrics.ROUTERS):
-            router.first_token(request_id)
+            router.first_token(route_id)
     except Exception:
         metrics.FALLBACKS.labels(cause="first_token").inc()
         logger.exception("router first-token bookkeeping failed")
+
+
+async def _ask(router: Any, fn: Any) -> Any:
+    """``fn()`` run on the router's own event loop (its state's owner), when it has one."""
+    ask = getattr(router, "ask", None)
+    return await ask(fn) if ask is not None else fn()
 
 
 def _caused_by_replica_loss(e: BaseException | None) -> bool:
@@ -488,7 +496,8 @@ class OpenAIIngress:
             if check is None:
                 return False, {"reason": f"request router {type(router).__name__} has no readiness() check"}
             try:
-                ok, state = check()
+                ask = getattr(router, "ask", None)
+                ok, state = await ask(check) if ask is not None else check()
             except Exception as e:  # noqa: BLE001 - a router bug must not fail the probe with a 500
                 logger.exception("router readiness check failed")
                 return False, {"reason": f"request router readiness check failed: {type(e).__name__}"}
@@ -500,15 +509,16 @@ class OpenAIIngress:
     @fastapi_app.get("/debug/routing")
     async def debug_routing(self) -> dict[str, Any]:
         """Index and event-path state of every request router in this ingress process."""
-        return {"routers": [r.snapshot() for r in list(metrics.ROUTERS)]}
+        return {"routers": [await _ask(r, r.snapshot) for r in list(metrics.ROUTERS)]}
 
     @fastapi_app.get("/debug/routing/decisions/{request_id}")
     async def debug_decision(self, request_id: str) -> dict[str, Any]:
         """How the request with this response ``id`` was routed (recent requests only)."""
+        found: list[dict[str, Any]] = []
         for router in list(metrics.ROUTERS):
-            decision = router.decisions.get(request_id)
-            if decision is not None:
-                return decision
+            found += await _ask(router, lambda r=router: r.decisions_for(request_id))
+        if found:  # a client may send two requests under one id: the newest, with the others named
+            return {**found[-1], "earlier": found[:-1]} if len(found) > 1 else found[-1]
         raise OpenAIError(f"no routing decision recorded for request `{request_id}`", 404)
 
     @fastapi_app.get("/v1/models")
@@ -528,7 +538,8 @@ class OpenAIIngress:
         from fastapi.responses import Response
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        metrics.refresh_router_gauges()
+        for router in list(metrics.ROUTERS):
+            await _ask(router, router.export_gauges)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @fastapi_app.get("/metrics/engines")
@@ -536,7 +547,7 @@ class OpenAIIngress:
         """Engine replicas' metrics endpoints in Prometheus ``http_sd_configs`` format."""
         targets: dict[str, str] = {}
         for router in list(metrics.ROUTERS):
-            targets.update(router.engine_metrics_targets())
+            targets.update(await _ask(router, router.engine_metrics_targets))
         return _sd_targets(targets)
 
     @fastapi_app.get("/metrics/ingresses")
@@ -838,6 +849,11 @@ class OpenAIIngress:
         elif prompts and all(prompts) and not req.echo and req.suffix is None and req.prompt_embeds is None:
             req.prompt = ids if len(prompts) == 1 else prompts
         lora = req.model if req.model in self.renderer.registry.lora_requests else None
+        # vLLM's rule (SamplingParams.skip_reading_prefix_cache): prompt logprobs read no cache;
+        # echo asks for them with the answer's logprobs (to_sampling_params).
+        prompt_logprobs = req.prompt_logprobs
+        if prompt_logprobs is None and req.echo:
+            prompt_logprobs = req.top_logprobs if kind == _CHAT else req.logprobs
         return EngineRequest(
             request_id=f"{_ID_PREFIX[kind]}-{req.request_id}",
             prompt_token_ids=array("I", ids),
@@ -846,6 +862,8 @@ class OpenAIIngress:
             lora_name=lora,
             trace_headers=tracing.inject(),
             block_size=self.args.engine.block_size,
+            prefill_tokens=sum(len(p) for p in prompts) * max(1, req.n or 1),
+            bypass_cache=prompt_logprobs is not None,
         )
 
     async def _render(self, kind: str, req) -> list[list[int]] | Any:
@@ -900,14 +918,14 @@ class OpenAIIngress:
                 now = time.perf_counter()
                 if isinstance(item, FirstOutput):
                     first_seen = True
-                    _tell_routers_first_token(ereq.request_id)
+                    _tell_routers_first_token(ereq.route_id)
                     if streaming:
                         metrics.TTFT_SECONDS.observe(now - started)
                         span.set_attribute("prefix_serve.ttft_s", now - started)
                     item = item.data
                 elif isinstance(item, EngineSummary):
                     if not first_seen:  # a unary answer (or a stream that ended early): prefill is long done
-                        _tell_routers_first_token(ereq.request_id)
+                        _tell_routers_first_token(ereq.route_id)
                     ended = True
                     self._record_summary(item, now - started, streaming, span, ereq.request_id)
                     item = item.data
@@ -986,6 +1004,7 @@ class OpenAIIngress:
                 logger.warning("engine replica lost before the answer started (%s); attempt %d",
                                type(e).__name__, attempt)
                 ereq.request_id = f"{base_id}~{attempt}"
+                ereq.route_id = uuid.uuid4().hex  # a new attempt: its own record in the router
             finally:
                 timer.cancel()
                 if not finished:

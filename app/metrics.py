@@ -44,10 +44,14 @@ ROUTERS: weakref.WeakSet = weakref.WeakSet()
 
 
 def refresh_router_gauges() -> None:
-    """Set the index and event-path gauges of every router of this process (before
-    each scrape: the values are O(1) to read, so they are not kept current between)."""
+    """Set the index and event-path gauges of every router of this process (before each scrape
+    of the replica's own endpoint, from its thread; each router reads its state on its own loop)."""
     for router in list(ROUTERS):
-        router.export_gauges()
+        ask = getattr(router, "ask_blocking", None)
+        if ask is not None:
+            ask(router.export_gauges)
+        else:
+            router.export_gauges()
 
 RECENT_DECISIONS_MAX = 4096
 """Routing decisions each router keeps for ``/debug/routing/decisions/{id}``."""

@@ -22,6 +22,7 @@ They are plain dataclasses so a router process can read them without importing v
 
 from __future__ import annotations
 
+import uuid
 from array import array
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,12 @@ class EngineRequest:
         router_error: set by a request router that could not start (its
             configuration is invalid): the engine answers the request with this
             message as a 500 error instead of running it.
+        route_id: this attempt's id for the request router's first-token signal,
+            made here (never the client's: two requests may share a client id).
+        prefill_tokens: every prompt token the engine will prefill: the sum of
+            the prompts of a list, times ``n`` (0: ``len(prompt_token_ids)``).
+        bypass_cache: vLLM computes the whole prompt, reading no prefix cache
+            (``prompt_logprobs``, or ``echo`` with logprobs).
     """
 
     request_id: str
@@ -78,6 +85,9 @@ class EngineRequest:
     trace_headers: dict[str, str] = field(default_factory=dict)
     block_size: int = 0
     router_error: str | None = None
+    route_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    prefill_tokens: int = 0
+    bypass_cache: bool = False
 
 
 @dataclass(slots=True)

@@ -170,3 +170,25 @@ def force_flush(timeout_ms: int = 5000) -> bool:
     except Exception:  # noqa: BLE001 - a failing exporter must not fail a replica's shutdown
         logging.getLogger("prefix_serve.tracing").exception("span flush at shutdown failed")
         return False
+
+
+def route_span(trace_headers: Mapping[str, str] | None, decision: Mapping[str, Any], start_ns: int | None) -> None:
+    """The routing span of one request, a child of its span (via its W3C headers), from the
+    request router's decision record (``RouterState.record_decision``); none without headers."""
+    if not trace_headers:
+        return
+    span = tracer().start_span("prefix_serve.route", context=extract(trace_headers), start_time=start_ns)
+    staleness = decision["index_staleness_s"]
+    span.set_attributes({
+        "prefix_serve.route.replica_id": decision["replica_id"],
+        "prefix_serve.route.reason": decision["reason"],
+        "prefix_serve.route.matched_tokens": decision["matched_tokens"],
+        "prefix_serve.route.host_tokens": decision.get("matched_tokens_by_tier", {}).get("host", 0),
+        "prefix_serve.route.best_alternative_matched_tokens": decision["best_alternative_matched_tokens"],
+        "prefix_serve.route.prompt_tokens": decision["prompt_tokens"],
+        "prefix_serve.route.prefill_tokens": decision.get("prefill_tokens", decision["prompt_tokens"]),
+        "prefix_serve.route.bypass_cache": bool(decision.get("bypass_cache")),
+        "prefix_serve.route.candidates": decision["candidates"],
+        "prefix_serve.route.index_staleness_s": -1.0 if staleness is None else staleness,
+    })
+    span.end()

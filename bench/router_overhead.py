@@ -65,7 +65,7 @@ throughput, or ours over Dynamo's latency):
   the same state (it is shared: p99s move from run to run):
 
   - ours: the live router's code path (``app/router.py``): ``block_keys`` of
-    the prompt + one ``Candidate`` per replica + ``AffinityRouter.choose``
+    the prompt + one ``Candidate`` per replica + ``RouterState.choose``
     (``BlockIndex.match``, a ``ReplicaView`` per candidate, ``choose_replica``),
     default ``RouterConfig`` knobs;
   - Dynamo: ``compute_block_hash_for_seq(prompt, block_size)`` +
@@ -80,7 +80,7 @@ throughput, or ours over Dynamo's latency):
 
   At block size 16 (top level) and 32 (``*_by_block_size``).  Ours also with
   the blind window (``lookup_with_blind_window_us``): the router's after-send
-  work runs too (``AffinityRouter.routed``: the prompt's blocks predicted on
+  work runs too (``RouterState.routed``: the prompt's blocks predicted on
   the chosen replica; then ``completed``), on a simulated clock of 200
   requests/s, so expired predictions are retired inside later lookups as in
   the live router; ``routed_p50`` / ``routed_p99`` time ``routed`` itself.
@@ -158,12 +158,12 @@ import xxhash
 
 from app.config import RouterConfig
 from bench.stats import percentile
-from routing.affinity import Candidate
 from routing.block_keys import ROOT_SEED, block_keys, chain_keys
 from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineBlockHash, decode_batch, encode_batch
 from routing.index import BlockIndex
 from routing.key_events import KeysStored, decode_key_frames, encode_key_frames, keys_from_bytes, keys_to_bytes
 from routing.relay import KeyRelay
+from routing.router_state import Candidate, RequestRecord, RouteRequest
 from routing.tiers import Tier
 
 NUM_REPLICAS = 16
@@ -559,12 +559,12 @@ def bench_lookup(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: i
     Timed as the lookup, as ``app/router.py`` runs it per request: ``block_keys``
     of the prompt, one ``Candidate`` per replica (its routing stats and
     ``max_ongoing_requests``), the replicas' last-event times and
-    ``AffinityRouter.choose`` (``BlockIndex.match``, which first retires expired
+    ``RouterState.choose`` (``BlockIndex.match``, which first retires expired
     blind-window predictions; one ``ReplicaView`` per candidate from the
     router's in-flight accounting; ``choose_replica``), with the default
     ``RouterConfig`` knobs.  With ``blind_window``, also, timed apart as
     ``routed``: what the router does once the request is sent
-    (``AffinityRouter.routed``: the blind-window prediction of the prompt's
+    (``RouterState.routed``: the blind-window prediction of the prompt's
     blocks on the chosen replica, the in-flight entry; then ``completed``);
     requests arrive every ``REQUEST_INTERVAL_S`` of simulated time, so
     predictions expire inside later lookups as they would.  Without it the
@@ -593,11 +593,17 @@ def bench_lookup(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: i
         raise ValueError("Dynamo has no blind window: compare without it")
     replicas = tuple(replicas) if replicas is not None else tuple(f"replica-{r}" for r in range(NUM_REPLICAS))
     rng = random.Random(prompt_len)
-    router = RouterConfig().affinity_router(random.Random(0), index=index)
+    router = RouterConfig().router_state(random.Random(0), index=index)
     stats = {}
+    feeds = [router.follow_in_order(rid) for rid in replicas]
     for r, rid in enumerate(replicas):  # each replica has 0-7 requests in flight, some still queued for prefill
-        router.inflight[rid] = {(r, j): rng.choice((0, rng.randrange(1, 4096))) for j in range(rng.randrange(8))}
-        stats[rid] = {"num_running": len(router.inflight[rid]), "num_waiting": rng.randrange(2),
+        entry = router.replicas[rid]
+        for j in range(rng.randrange(8)):
+            record = RequestRecord(f"load-{r}-{j}", replica_id=rid,
+                                   queued_tokens=rng.choice((0, rng.randrange(1, 4096))))
+            entry.requests[record.route_id] = record
+            entry.queued_prefill_tokens += record.queued_tokens
+        stats[rid] = {"num_running": len(entry.requests), "num_waiting": rng.randrange(2),
                       "kv_cache_usage": rng.random()}
         if host_tier:  # a 32 GiB tier of Qwen2.5-7B's 57,344-byte tokens, as app.engine reports it
             stats[rid].update(num_host_blocks=37_449, kv_bytes_per_token=57_344, host_blocks_per_chunk=1)
@@ -614,16 +620,20 @@ def bench_lookup(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: i
         # Each run's clock starts far past the previous run's, whose predictions
         # then expire in the untimed warm-up lookups.
         now = prompt_len * 1e4 + i * REQUEST_INTERVAL_S if blind_window else 0.0
+        for feed in feeds:  # events keep arriving: no replica is stalled
+            feed.applied(1, now)
+        route_id = str(i)
         t0 = time.perf_counter_ns()
         keys = block_keys(prompt, block_size)
         candidates = [Candidate(rid, stats[rid], 64) for rid in replicas]
-        last_event_at = {rid: now for rid in replicas}  # events keep arriving: no replica is stalled
-        decision = router.choose(keys, len(prompt), block_size, candidates, now, last_event_at)
+        decision = router.choose(route_id, RouteRequest(keys, len(prompt), block_size), candidates, now)
         t1 = time.perf_counter_ns()
         if blind_window:
-            router.routed(i, decision.replica_id, keys, len(prompt), block_size, decision, now, now)
-            router.completed(decision.replica_id, i, now)
+            router.routed(route_id, decision.replica_id, now)
+            router.completed(route_id, now)
         t2 = time.perf_counter_ns()
+        if not blind_window:
+            router.completed(route_id, now)  # chosen, never sent: its record goes
         if i >= WARMUP_LOOKUPS:
             samples.append(t1 - t0)
             routed_samples.append(t2 - t1)

@@ -1,6 +1,6 @@
 """Default knobs of the prefix-affinity router, each written once.
 
-``routing.affinity.AffinityRouter`` (its keyword defaults), ``app.config.RouterConfig``
+``routing.router_state.RouterState`` (its keyword defaults), ``app.config.RouterConfig``
 (the ``router:`` block of the app args) and the simulator's event-fed indexes take
 their defaults from here, so the live router, the simulator and the benchmarks start
 from the same numbers. Free of Ray and vLLM, like the rest of ``routing``.

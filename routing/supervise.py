@@ -1,7 +1,7 @@
 """Keep a background loop running: restart it after any exception, with backoff.
 
-The KV-event relay (``routing.relay_server``) and the router's subscriber
-(``routing.subscriber``) run their socket loops under ``supervise``: the event path
+The KV-event relay (``routing.relay_server``) runs its socket loop under ``supervise`` (the
+router's relay reader, ``routing.relay_reader``, an asyncio task, keeps its backoff): the event path
 must outlive any one failure.
 """
 

@@ -14,21 +14,21 @@ the rule vLLM's connector applies.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from types import SimpleNamespace
 
 import msgspec
 import pytest
 
-from routing.affinity import AffinityRouter, Candidate
 from routing.block_keys import block_keys
 from routing.events import BlockStored, decode_batch
 from routing.index import BlockIndex
 from routing.key_events import AllKeysCleared, KeysRemoved, KeysStored, keys_to_bytes
 from routing.policy import PolicyConfig, ReplicaView, RoutingRequest, choose_replica
 from routing.relay import KeyRelay, hit_group
+from routing.router_state import Candidate, RouteRequest, RouterState
 from routing.tiers import HOST_LINK_BYTES_PER_S, Tier, host_hit_blocks, tier_of_medium
+from tests.owner_loop import wait_for
 
 vkv = pytest.importorskip("vllm.distributed.kv_events")
 
@@ -274,15 +274,15 @@ def test_chunks_of_four_blocks_count_only_whole(monkeypatch) -> None:
     follow(index, relay, events)
     stats = {"num_host_blocks": 1000, "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "host_blocks_per_chunk": 4,
              "num_gpu_blocks": 64}
-    router = AffinityRouter(index, rng=random.Random(0))
+    router = RouterState(index, rng=random.Random(0))
     cands = [Candidate("r0", stats, None), Candidate("r1", stats, None)]
     shares_3 = tokens[: 3 * BS] + tokens_of(6, 5)  # diverges in block 3
-    d = router.choose(block_keys(shares_3, BS), len(shares_3), BS, cands, 0.0)
+    d = router.choose("q1", RouteRequest(block_keys(shares_3, BS), len(shares_3), BS), cands, 0.0)
     assert d.host_tokens == {} and d.reason == "no_match"
     shares_6 = tokens[: 6 * BS] + tokens_of(7, 2)  # chunk 0 whole, chunk 1 not
-    d = router.choose(block_keys(shares_6, BS), len(shares_6), BS, cands, 0.0)
+    d = router.choose("q2", RouteRequest(block_keys(shares_6, BS), len(shares_6), BS), cands, 0.0)
     assert (d.replica_id, d.host_tokens, d.matched_tokens) == ("r0", {"r0": 4 * BS}, 4 * BS)
-    d = router.choose(block_keys(tokens + [1], BS), len(tokens) + 1, BS, cands, 0.0)
+    d = router.choose("q3", RouteRequest(block_keys(tokens + [1], BS), len(tokens) + 1, BS), cands, 0.0)
     assert d.host_tokens == {"r0": 8 * BS} and d.reason == "prefix_hit"
 
 
@@ -479,24 +479,15 @@ def test_changing_the_followed_group_forgets_what_the_relay_held() -> None:
 # ------------------------------------------------------------------ real sockets
 
 
-def wait_for(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not reached in time")
-
-
 @pytest.mark.parametrize("self_describing", [True, False])
 def test_host_hit_routes_home_through_vllms_publisher_relay_and_subscriber(monkeypatch, self_describing) -> None:
-    """vLLM's ZmqEventPublisher -> RelayServer -> EventSubscriber -> BlockIndex -> AffinityRouter.
+    """vLLM's ZmqEventPublisher -> RelayServer -> RelayReader -> RouterState (its index and decisions).
 
     r0 computed and offloaded a prompt, then its GPU evicted it; r1 holds nothing. A router
     that starts afterwards (from the relays' snapshots) routes the prompt to r0 as a host hit;
     once r0's host tier drops it too, the prompt has no home."""
     from routing.relay_server import RelayServer
-    from routing.subscriber import EventSubscriber
+    from tests.owner_loop import Owner
 
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
     eng = Engine(self_describing)
@@ -504,8 +495,7 @@ def test_host_hit_routes_home_through_vllms_publisher_relay_and_subscriber(monke
     cfg = pub.get_publisher_config()
     relay = RelayServer(cfg.endpoint, cfg.replay_endpoint, BS)
     index = BlockIndex()
-    lock = threading.Lock()
-    sub = EventSubscriber(index, lock, block_size=BS)
+    sub = Owner(index, state_block_size=BS)
     idle = RelayServer("tcp://127.0.0.1:1", None, BS)  # r1's relay: its engine has published nothing
     try:
         assert relay.follow_group(0).result(timeout=5) is False
@@ -523,23 +513,20 @@ def test_host_hit_routes_home_through_vllms_publisher_relay_and_subscriber(monke
         sub.set_replica("r1", idle.events_endpoint, idle.snapshot_endpoint)
         wait_for(lambda: sub.synced("r0") and sub.synced("r1"))
         stats = {"num_host_blocks": 1000, "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "num_gpu_blocks": 64}
-        router = AffinityRouter(index, rng=random.Random(0))
+        router = sub.state
         cands = [Candidate("r0", stats, None), Candidate("r1", stats, None)]
-        keys = block_keys(tokens + [2], BS)
-        with lock:
-            d = router.choose(keys, len(tokens) + 1, BS, cands, time.time())
+        request = RouteRequest(block_keys(tokens + [2], BS), len(tokens) + 1, BS)
+        d = sub.call(lambda: router.choose("q1", request, cands, time.time()))
         assert (d.replica_id, d.reason, d.matched_tokens, d.host_tokens) == ("r0", "prefix_hit", 6 * BS, {"r0": 6 * BS})
-        with lock:
-            routed = router.routed("q1", "r0", keys, len(tokens) + 1, BS, d, time.time())
+        routed = sub.call(lambda: router.routed("q1", "r0", time.time()))
         assert routed.predicted_cached_tokens == 6 * BS and routed.predicted_host_tokens == 6 * BS
-        assert router.inflight["r0"]["q1"] == 1  # only the last token is prefilled
-        router.completed("r0", "q1", time.time())  # its blind-window prediction lives 2 s more
+        assert sub.call(lambda: router.replicas["r0"].queued_prefill_tokens) == 1  # only the last token is prefilled
+        sub.call(lambda: router.completed("q1", time.time()))  # its blind-window prediction lives 2 s more
         time.sleep(0.3)  # the live SUB's subscription reaches the relay
         eng.drop_host(req, range(6))
         pub.publish(vkv.KVEventBatch(ts=time.time(), events=eng.events()))
-        wait_for(lambda: index.replica_host_blocks("r0") == 0)
-        with lock:
-            d = router.choose(keys, len(tokens) + 1, BS, cands, time.time() + 60)  # the prediction expired
+        wait_for(lambda: sub.call(index.replica_host_blocks, "r0") == 0)
+        d = sub.call(lambda: router.choose("q2", request, cands, time.time() + 60))  # the prediction expired
         assert d.reason == "no_match" and d.matched_tokens == 0 and d.host_tokens == {}
     finally:
         sub.close()

@@ -138,6 +138,52 @@ def test_index_follows_engine_events(app):
     assert relay["host_keys"] == 0 and relay["stats"].get("group_changes", 0) == 0
 
 
+def test_prompt_logprobs_lists_of_prompts_and_shared_client_ids_are_weighed_as_the_engine_runs_them(app):
+    """The issue's live cases: a prompt_logprobs request reads no prefix cache in vLLM (its prompt was
+    routed as a 256-token hit); a list of prompts times ``n`` is the prefill the engine runs; two requests
+    under one client ``request_id`` keep separate decision records."""
+    prompt = tokens(5, 261)
+    complete(app, prompt)  # warm: 8 full blocks cached on one replica
+    time.sleep(0.5)  # its BlockStored reaches the index
+    body = {"model": app.model, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 1}
+    r = httpx.post(f"{app.base_url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # vLLM computed it whole
+    d = decision(app, r.json()["id"])
+    assert d["matched_tokens"] == 0 and d["bypass_cache"] is True and d["reason"] != "prefix_hit"
+    again = complete(app, prompt)
+    full = (261 - 1) // BLOCK * BLOCK
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == full == decision(app, again["id"])[
+        "matched_tokens"]
+    a, b = tokens(6, 100), tokens(7, 140)
+    body = {"model": app.model, "prompt": [a, b], "n": 2, "max_tokens": 1}
+    r = httpx.post(f"{app.base_url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    d = decision(app, r.json()["id"])
+    assert d["prompt_tokens"] == 100 and d["prefill_tokens"] == 2 * (100 + 140)
+    assert r.json()["usage"]["prompt_tokens"] == 100 + 140  # vLLM's count (each prompt once)
+
+    def same_id(seed: int) -> dict:
+        body = {"model": app.model, "prompt": tokens(seed, 300), "max_tokens": 4, "request_id": "shared-id"}
+        r = httpx.post(f"{app.base_url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        answers = list(pool.map(same_id, (8, 9)))
+    assert answers[0]["id"] == answers[1]["id"] == "cmpl-shared-id"
+    d = decision(app, "cmpl-shared-id")
+    records = [*d["earlier"], {k: v for k, v in d.items() if k != "earlier"}]
+    assert len(records) == 2 and len({r["route_id"] for r in records}) == 2
+    assert all(r["prompt_tokens"] == 300 and r["queued_prefill_tokens"] == 300 - r["matched_tokens"]
+               for r in records)
+    deadline = time.monotonic() + 10
+    while sum(routing(app)["inflight"].values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    snap = routing(app)
+    assert sum(snap["inflight"].values()) == 0 and sum(snap["queued_prefill_tokens"].values()) == 0
+
+
 def engine_replica_pid(replica_uid: str, deployment: str = "VLLMEngine") -> int:
     """PID of the Serve replica actor of ``deployment`` whose id ends with ``replica_uid``."""
     import ray

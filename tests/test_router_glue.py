@@ -70,18 +70,27 @@ def routers():
         made.append(make_router(**kwargs))
         return made[-1]
 
-    yield build
-    for r in made:
-        r.subscriber.close()
+    yield build  # on_loop closes their readers
 
 
 def on_loop(test):
-    """Run ``test`` (a coroutine function) on an event loop, as Serve runs its routers."""
+    """Run ``test`` (a coroutine function) on an event loop, as Serve runs its routers (the loop
+    then owns their state), closing each router's relay reader on that loop at the end."""
     import functools
 
     @functools.wraps(test)
     def run(*args, **kwargs):
-        return asyncio.run(test(*args, **kwargs))
+        async def body():
+            try:
+                return await test(*args, **kwargs)
+            finally:
+                from app import metrics
+
+                for r in list(metrics.ROUTERS):
+                    if r.loop is asyncio.get_running_loop():
+                        await r.reader.close()
+
+        return asyncio.run(body())
 
     return run
 
@@ -106,9 +115,9 @@ async def test_a_router_knows_the_block_size_before_any_routing_stats(routers):
     request = engine_request(96)
     ranked = await router.choose_replicas([replica("a"), replica("b")], pending(request))
     assert ranked and request.router_error is None
-    entry = router._pending["i-1"]  # scored: the prompt's 3 block keys at block size 32
-    assert len(entry[0]) == 3 and entry[2] == 32
-    assert "i-1" not in router._fallbacks
+    record = router.state.requests["i-1"]  # scored: the prompt's 3 block keys at block size 32
+    assert len(record.request.keys) == 3 and record.request.block_size == 32
+    assert record.decision is not None and record.fallback is None
 
 
 @on_loop
@@ -147,7 +156,7 @@ async def test_a_dead_relay_delays_requests_only_within_its_wait_budget(routers,
         took.append(time.monotonic() - t0)
         assert ranked
     assert 0.4 <= took[0] < 1.5 and max(took[1:]) < 0.2, took
-    assert not router.subscriber.synced("a")
+    assert not router.state.synced("a")
 
 
 @on_loop
@@ -165,10 +174,39 @@ async def test_one_serving_replica_makes_the_router_ready(routers):
                 STAT_SNAPSHOT_ENDPOINT: relay.snapshot_endpoint}
         router.update_replicas([replica("a", live), replica("b", {STAT_READY: False})])
         deadline = time.monotonic() + 10
-        while not router.subscriber.synced("a") and time.monotonic() < deadline:
+        while not router.state.synced("a") and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         ready, detail = router.readiness()
         assert ready and "reason" not in detail, detail
         assert detail["serving_replicas"] == 1 and detail["not_serving"] == {"b": "not warmed up yet"}
     finally:
         relay.close()
+
+
+@on_loop
+async def test_other_threads_post_to_the_router_loop_and_never_touch_its_state(routers):
+    """The ingress's first-token signal is a message: it runs on the router's loop, in order."""
+    import threading
+
+    router = routers(block_size=32)
+    a, b = replica("a"), replica("b")
+    router.update_replicas([a, b])
+    request = engine_request(96)
+    request.prefill_tokens = 96 * 3  # e.g. n=3
+    ranked = await router.choose_replicas([a, b], pending(request, "i-1"))
+    router.on_request_routed(pending(request, "i-1"), ranked[0][0].replica_id, None)
+    uid = ranked[0][0].replica_id.unique_id
+    assert router.state.replicas[uid].queued_prefill_tokens == 96 * 3
+    signal = threading.Thread(target=router.first_token, args=(request.route_id,))
+    signal.start()
+    signal.join()
+    assert router.state.replicas[uid].queued_prefill_tokens == 96 * 3  # posted, not run on the caller's thread
+    await asyncio.sleep(0)
+    assert router.state.replicas[uid].queued_prefill_tokens == 0
+    # A read from another thread's loop is answered by this loop.
+    ready, detail = await asyncio.to_thread(lambda: asyncio.run(router.ask(router.readiness)))
+    assert not ready and detail["replicas"] == 2
+    gauges = await asyncio.to_thread(router.ask_blocking, router.snapshot)
+    assert gauges["inflight"][uid] == 1 and gauges["records"] == 1
+    router.on_request_completed(ranked[0][0].replica_id, "i-1")
+    assert router.state.requests == {} and router.state.decisions_for("cmpl-1")[0]["replica_id"] == uid

@@ -20,9 +20,9 @@ from bench.sim.policies import (
 )
 from bench.sim.replica import EngineConfig, Replica
 from bench.sim.workload import SimRequest
-from routing.affinity import Candidate
 from routing.block_keys import block_keys
 from routing.events import BlockStored
+from routing.router_state import Candidate, RouteRequest
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # ray.serve import noise
 
@@ -141,35 +141,42 @@ def test_llm_d_min_max_normalization():
     assert LlmDPolicy._minmax({}, [0, 1], True) == {0: 0.0, 1: 0.0}
 
 
-def test_affinity_router_runs_the_live_sequence():
+def test_router_state_runs_the_live_sequence():
     plain = RouterConfig(load_factor=1.25, load_floor=0, uncached_weight=1.0)
-    router = plain.affinity_router(random.Random(0))
+    router = plain.router_state(random.Random(0))
     for i in range(4):
-        router.index.add_replica(f"r{i}")  # followed, as the live router's subscriber does
-    keys = block_keys(PROMPT, BS)
+        router.follow_in_order(f"r{i}")  # followed, as the live router follows each candidate
+    request = RouteRequest(block_keys(PROMPT, BS), len(PROMPT), BS)
     stats = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
     two = [Candidate(f"r{i}", stats, 128) for i in range(2)]
-    d1 = router.choose(keys, len(PROMPT), BS, two, 0.0)
-    router.routed(1, d1.replica_id, keys, len(PROMPT), BS, d1, 0.0)
-    assert router.inflight[d1.replica_id][1] == len(PROMPT)  # no cached tokens predicted for the first
+    d1 = router.choose("1", request, two, 0.0)
+    router.routed("1", d1.replica_id, 0.0)
+    assert router.replicas[d1.replica_id].queued_prefill_tokens == len(PROMPT)  # no cached tokens predicted
     # blind window: the prediction makes the same prefix look cached there before any event
     other = next(c.replica_id for c in two if c.replica_id != d1.replica_id)
-    router.inflight[other] = {99: 2000}  # the other replica has more queued prefill
-    d2 = router.choose(keys, len(PROMPT), BS, two, 0.5)
+
+    def load(rid: str, seed: int) -> None:  # a 2,000-token request of another prompt queued there
+        tokens = [seed * 10_000 + t for t in range(2000)]
+        router.choose(f"load-{rid}", RouteRequest(block_keys(tokens, BS), 2000, BS), [Candidate(rid, stats, 128)], 0.4)
+        router.routed(f"load-{rid}", rid, 0.4)
+
+    load(other, 1)
+    d2 = router.choose("2", request, two, 0.5)
     assert d2.replica_id == d1.replica_id and d2.reason == "prefix_hit"
     # with four candidates and one request in flight the plain bounded-load
     # limit is ceil(1.25 * 2 / 4) = 1: the holder is over it and the request
     # spills (the low-concurrency effect discussed in docs/benchmarks.md) ...
     four = two + [Candidate(f"r{i}", stats, 128) for i in range(2, 4)]
-    d3 = router.choose(keys, len(PROMPT), BS, four, 0.5)
+    d3 = router.choose("3", request, four, 0.5)
     assert d3.replica_id != d1.replica_id and d3.reason == "spill_overload"
     # ... the shipped load floor keeps it on the holder
-    shipped = RouterConfig().affinity_router(random.Random(0))
-    shipped.index, shipped.inflight = router.index, router.inflight
-    router.inflight.update({c.replica_id: {90 + i: 2000} for i, c in enumerate(four[2:])})
-    assert shipped.choose(keys, len(PROMPT), BS, four, 0.5).replica_id == d1.replica_id
-    router.completed(d1.replica_id, 1, 0.6)
-    assert router.inflight[d1.replica_id] == {}
+    for i, c in enumerate(four[2:]):
+        load(c.replica_id, 2 + i)
+    shipped = RouterConfig().router_state(random.Random(0), index=router.index)
+    shipped.replicas = router.replicas  # the same replicas and requests, the shipped knobs
+    assert shipped.choose("4", request, four, 0.5).replica_id == d1.replica_id
+    router.completed("1", 0.6)
+    assert router.inflight(d1.replica_id) == 0 and router.replicas[d1.replica_id].queued_prefill_tokens == 0
 
 
 def test_sim_policy_releases_queued_prefill_at_first_token():
@@ -180,4 +187,4 @@ def test_sim_policy_releases_queued_prefill_at_first_token():
         r = p.choose(req, [0, 1, 2, 3], 0.0)
         p.routed(req, r, 0.0)
         p.first_token(req, r, 0.1)
-        assert p.router.inflight[p.ctx.ids[r]][7] == (len(PROMPT) if p is kept else 0)
+        assert p.router.replicas[p.ctx.ids[r]].queued_prefill_tokens == (len(PROMPT) if p is kept else 0)

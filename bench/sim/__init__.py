@@ -11,7 +11,7 @@ One concept per module:
 * :mod:`~bench.sim.block_pool` -- vLLM's block pool: prefix cache of full blocks, LRU free queue, KV events;
 * :mod:`~bench.sim.replica` -- vLLM's scheduler: continuous batching, chunked prefill, admission, preemption;
 * :mod:`~bench.sim.event_path` -- KV events to a router's ``BlockIndex`` through the wire format, after a lag;
-* ``prefix_affinity`` runs :class:`routing.affinity.AffinityRouter`, the live router's decision sequence without Ray;
+* ``prefix_affinity`` runs :class:`routing.router_state.RouterState`, the live router's decision sequence without Ray;
 * :mod:`~bench.sim.policies` -- the compared routing policies;
 * :mod:`~bench.sim.cluster` -- the discrete-event loop of one policy run;
 * :mod:`~bench.sim.workload`, :mod:`~bench.sim.trace`, :mod:`~bench.sim.generators` -- requests and tokens;

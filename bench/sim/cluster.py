@@ -149,7 +149,8 @@ def simulate_policy(
         routing_stats_period_s=cfg.routing_stats_period_s,
     )
     policy.setup(ctx)
-    path = EventPath(policy.index, cfg.event_lag_s, ctx.ids, bs) if uses_events and policy.index is not None else None
+    path = (EventPath(policy.events_to, cfg.event_lag_s, ctx.ids, bs)
+            if uses_events and policy.index is not None else None)
     busy = [False] * cfg.replicas
     wake_at: list[float | None] = [None] * cfg.replicas  # a pending _WAKE of an idle replica
     backlog: deque[SimRequest] = deque()
@@ -213,7 +214,6 @@ def simulate_policy(
             else:
                 assert path is not None and payload is not None  # only an event path queues a _DELIVER
                 path.deliver(replicas[i].id, payload, now)
-                policy.on_events_applied(i, now)
             continue
         if ai >= n:
             break

@@ -6,27 +6,34 @@ every router applies (``routing.relay_server``, ``routing.subscriber``).  The
 simulator runs the same code, a ``KeyRelay`` per simulated engine:
 
     publish:  routing.relay.KeyRelay.apply -> routing.key_events.encode_key_frames  (at the step's end)
-    deliver:  decode_key_frames -> sequence check -> BlockIndex.apply_keys  (lag later)
+    deliver:  decode_key_frames -> the replica's routing.feed.ReplicaFeed -> BlockIndex.apply_keys  (lag later)
 
-An index without ``apply_keys`` (the Dynamo peer's ``RadixTree``, whose router
-hashes token ids itself) gets vLLM's own batches instead
-(``routing.events.encode_batch`` -> ``decode_frames`` -> ``apply_batch``).
+Our router's state (``routing.router_state.RouterState``) is fed through its own
+``on_batch``, as the live relay reader feeds it; a bare ``BlockIndex`` (llm-d's
+peer) through a ``ReplicaFeed`` of the path's own.  An index without
+``apply_keys`` (the Dynamo peer's ``RadixTree``, whose router hashes token ids
+itself) gets vLLM's own batches instead (``routing.events.encode_batch`` ->
+``decode_frames`` -> a ``ReplicaFeed`` -> ``apply_batch``).  So in-order
+application is the live router's code everywhere.
 
 The lag (``lag_s``) stands for the relay's queue, the network and the
-subscriber's poll loop; it makes the index stale by that much, which is what
+reader's poll loop; it makes the index stale by that much, which is what
 the router's blind-window predictions are for.  Messages are never lost here,
-so the sequence check only asserts order.
+so a batch the feed does not apply at once is a simulator bug.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 from routing.events import BlockStored, DecodedBatch, KVEvent, decode_frames, encode_batch, encode_frames
+from routing.feed import ReplicaFeed
 from routing.index import BlockIndex
 from routing.key_events import decode_key_frames, encode_key_frames
 from routing.relay import KeyRelay
+from routing.router_state import RouterState
 
 __all__ = ["BatchIndex", "EventPath"]
 
@@ -41,7 +48,7 @@ class EventPath:
     """Publishes replicas' event batches and applies them to one index.
 
     Args:
-        index: the router's block index (or a peer's index with ``apply_batch``).
+        index: our router's state, a block index, or a peer's index with ``apply_batch``.
         lag_s: seconds from publish to apply.
         replica_ids: replicas the index follows from the start; any other
             replica is followed from its first published batch.
@@ -49,22 +56,24 @@ class EventPath:
             first ``BlockStored``).
     """
 
-    def __init__(self, index: BlockIndex | BatchIndex, lag_s: float, replica_ids: Sequence[str] = (),
+    def __init__(self, index: RouterState | BlockIndex | BatchIndex, lag_s: float, replica_ids: Sequence[str] = (),
                  block_size: int | None = None) -> None:
         if lag_s < 0:
             raise ValueError(f"lag_s must be >= 0, got {lag_s}")
         self.index = index
         self.lag_s = lag_s
         self.block_size = block_size
+        self._state = index if isinstance(index, RouterState) else None
         # An index with apply_keys gets key events through a relay per replica, any other vLLM's batches.
-        self._key_index = cast(BlockIndex, index) if hasattr(index, "apply_keys") else None
+        key_index = index.index if isinstance(index, RouterState) else index
+        self._key_index = cast(BlockIndex, key_index) if hasattr(key_index, "apply_keys") else None
         self._batch_index = cast(BatchIndex, index) if self._key_index is None else None
         self.relays: dict[str, KeyRelay] | None = {} if self._key_index is not None else None
-        if self._key_index is not None:
-            for rid in replica_ids:
-                self._key_index.add_replica(rid)
+        self.feeds: dict[str, ReplicaFeed[Any]] = {}  # the path's own, when it feeds no RouterState
+        self.stats: Counter[str] = Counter()
+        for rid in replica_ids:
+            self._follow(rid)
         self._next_seq: dict[str, int] = {}
-        self._expected: dict[str, int] = {}
         self.last_event_at: dict[str, float] = {}
         self.batches = 0
         self.events = 0
@@ -91,8 +100,18 @@ class EventPath:
             if bs is None:
                 raise ValueError(f"block size of {replica_id} unknown: pass block_size")
             relay = relays[replica_id] = KeyRelay(bs)
-            index.add_replica(replica_id)
+            self._follow(replica_id)
         return relay
+
+    def _follow(self, replica_id: str) -> None:
+        if self._state is not None:
+            if self._state.feed(replica_id) is None:
+                self._state.follow_in_order(replica_id)
+            return
+        if replica_id not in self.feeds:
+            self.feeds[replica_id] = ReplicaFeed.in_order(replica_id, stats=self.stats)
+            if self._key_index is not None:
+                self._key_index.add_replica(replica_id)
 
     def deliver(self, replica_id: str, frames: tuple[bytes, bytes, bytes], now: float) -> None:
         """Decode a message and fold it into the index (at its delivery time).
@@ -100,23 +119,32 @@ class EventPath:
         Raises:
             RuntimeError: messages of one replica out of order (a simulator bug).
         """
-        if self._key_index is not None:
+        if self._state is not None:
             seq, key_batch = decode_key_frames(frames)
-            self._check_order(replica_id, seq)
-            self._key_index.apply_keys(replica_id, key_batch.events)
+            feed = self._state.feed(replica_id)
+            if feed is None or self._state.on_batch(replica_id, feed.generation, seq, key_batch, now) != 1:
+                raise RuntimeError(f"event seq {seq} from {replica_id} not applied in order")
             n_events = len(key_batch.events)
         else:
-            assert self._batch_index is not None
-            _topic, seq, batch = decode_frames(frames)
-            self._check_order(replica_id, seq)
-            self._batch_index.apply_batch(replica_id, batch)
-            n_events = len(batch.events)
+            self._follow(replica_id)
+            own = self.feeds[replica_id]
+            ready: list[Any]
+            if self._key_index is not None:
+                seq, key_batch = decode_key_frames(frames)
+                ready = own.on_batch(seq, key_batch.epoch, key_batch, now)
+                for b in ready:
+                    self._key_index.apply_keys(replica_id, b.events)
+                n_events = len(key_batch.events)
+            else:
+                assert self._batch_index is not None
+                _topic, seq, batch = decode_frames(frames)
+                ready = own.on_batch(seq, 0, batch, now)
+                for vllm_batch in ready:
+                    self._batch_index.apply_batch(replica_id, vllm_batch)
+                n_events = len(batch.events)
+            if len(ready) != 1:
+                raise RuntimeError(f"event seq {seq} from {replica_id} not applied in order")
+            own.applied(n_events, now)
         self.last_event_at[replica_id] = now
         self.batches += 1
         self.events += n_events
-
-    def _check_order(self, replica_id: str, seq: int) -> None:
-        expected = self._expected.get(replica_id, 0)
-        if seq != expected:
-            raise RuntimeError(f"event seq {seq} from {replica_id}, expected {expected}")
-        self._expected[replica_id] = seq + 1

@@ -64,8 +64,9 @@ events through :class:`bench.sim.event_path.EventPath` after the event lag.
   ``pkg/kvcache/backend.go``; ``LongestPrefixScorer`` adds the best weight of
   a pod's tiers for each consecutive block): GPU blocks, then host blocks.
 * ``prefix_affinity``: ours, the live router's decision sequence
-  (:class:`routing.affinity.AffinityRouter`, built by
-  ``app.config.RouterConfig.affinity_router`` with the shipped defaults) with
+  (:class:`routing.router_state.RouterState`, built by
+  ``app.config.RouterConfig.router_state`` with the shipped defaults, fed by
+  the event path through its replicas' feeds as the live relay reader feeds it) with
   Serve's routing stats refreshed every ``routing_stats_period_s`` (1 s, as
   ``request_routing_stats_period_s``), which tell it each engine's host tier.
 * ``prefix_affinity_tier_blind``: ours with ``PolicyConfig.price_tiers`` off: a
@@ -89,10 +90,9 @@ import xxhash
 from app.config import RouterConfig
 from bench.sim.workload import SimRequest
 from routing import defaults
-from routing.affinity import Candidate
 from routing.events import BlockRemoved, BlockStored
 from routing.index import BlockIndex
-from routing.policy import Decision
+from routing.router_state import Candidate, RouteRequest
 
 if TYPE_CHECKING:  # pragma: no cover
     from bench.sim.replica import Replica
@@ -185,8 +185,10 @@ class Policy:
         """The block index its KV events feed, if any."""
         return None
 
-    def on_events_applied(self, r: int, now: float) -> None:
-        pass
+    @property
+    def events_to(self) -> Any:
+        """What the event path feeds (``bench.sim.event_path.EventPath``): the index, or a router state."""
+        return self.index
 
     def summary(self) -> dict[str, Any]:
         return {}
@@ -504,12 +506,12 @@ class LlmDPolicy(_IndexedPolicy):
 
 
 class PrefixAffinityPolicy(Policy):
-    """Ours: ``routing.affinity.AffinityRouter`` built by ``app.config.RouterConfig`` (as the live router).
+    """Ours: ``routing.router_state.RouterState`` built by ``app.config.RouterConfig`` (as the live router).
 
     Args:
         router_config: the router's knobs (``request_router_kwargs``); None = the
             shipped defaults.
-        release_prefill_at_first_token: see ``AffinityRouter`` (False only for
+        release_prefill_at_first_token: see ``RouterState`` (False only for
             the ablation of ``bench.sim.ablation``).
     """
 
@@ -522,43 +524,37 @@ class PrefixAffinityPolicy(Policy):
 
     def setup(self, ctx):
         super().setup(ctx)
-        self.router = self.router_config.affinity_router(ctx.rng)
+        self.router = self.router_config.router_state(ctx.rng)
         for rid in ctx.ids:  # the live router follows every replica it is given as a candidate
-            self.router.index.add_replica(rid)
+            self.router.follow_in_order(rid)
         self.router.release_prefill_at_first_token = self.release_prefill_at_first_token
         self.scraper = StatsScraper(ctx.replicas, ctx.routing_stats_period_s)
-        self.last_event_at: dict[str, float] = {}  # replica -> when its last event batch was applied
         self.reasons: dict[str, int] = {}
-        self._decision: tuple[Sequence[int], Decision] | None = None
 
     @property
     def index(self):
         return self.router.index
 
-    def on_events_applied(self, r, now):
-        self.last_event_at[self.ctx.ids[r]] = now
+    @property
+    def events_to(self):
+        return self.router
 
     def choose(self, req, candidates, now):
         bs = self.ctx.block_size
-        keys = req.keys[: req.prompt_len // bs]
         cands = [Candidate(self.ctx.ids[r], self.scraper.get(r, now), self.ctx.max_ongoing_requests)
                  for r in candidates]
-        self._decision = (keys, self.router.choose(keys, req.prompt_len, bs, cands, now, self.last_event_at))
-        return self.ctx.ids.index(self._decision[1].replica_id)
+        request = RouteRequest(req.keys[: req.prompt_len // bs], req.prompt_len, bs)
+        return self.ctx.ids.index(self.router.choose(str(req.rid), request, cands, now).replica_id)
 
     def routed(self, req, r, now):
-        assert self._decision is not None, "routed() follows choose()"
-        keys, decision = self._decision
-        uid = self.ctx.ids[r]
-        routed = self.router.routed(req.rid, uid, keys, req.prompt_len, self.ctx.block_size, decision, now,
-                                    self.last_event_at.get(uid))
+        routed = self.router.routed(str(req.rid), self.ctx.ids[r], now)
         self.reasons[routed.reason] = self.reasons.get(routed.reason, 0) + 1
 
     def first_token(self, req, r, now):
-        self.router.first_token(self.ctx.ids[r], req.rid, now)
+        self.router.first_token(str(req.rid), now)
 
     def completed(self, req, r, now):
-        self.router.completed(self.ctx.ids[r], req.rid, now)
+        self.router.completed(str(req.rid), now)
 
     def summary(self):
         return {"reasons": dict(self.reasons), "stale_fallbacks": self.router.stale_fallbacks,

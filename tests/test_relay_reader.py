@@ -2,8 +2,10 @@
 
 vLLM's own ``ZmqEventPublisher`` (or ``RawPublisher``, a real PUB + replay
 ROUTER pair speaking vLLM's wire protocol that can also send what vLLM never
-would) feeds a real ``RelayServer``; a real ``EventSubscriber`` follows the
-relay into a ``BlockIndex``.  ``RawRelay`` stands in for a relay where the
+would) feeds a real ``RelayServer``; a real ``RelayReader`` follows the relay
+into a ``RouterState``'s index, both owned by an event loop on its own thread
+(as Serve's router loop owns them; ``Owner`` below), the test reading the
+state through that loop.  ``RawRelay`` stands in for a relay where the
 router's side needs faults a real relay never makes (gaps, a lost snapshot
 answer, garbage).  Expected index contents are computed independently with
 ``block_keys``.
@@ -30,7 +32,7 @@ from routing.key_events import (
     keys_to_bytes,
 )
 from routing.relay_server import RelayServer
-from routing.subscriber import EventSubscriber
+from tests.owner_loop import Owner, wait_for
 
 vkv = pytest.importorskip("vllm.distributed.kv_events")
 
@@ -131,21 +133,11 @@ class RawRelay:
         self.router.close(linger=0)
 
 
-def wait_for(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not reached in time")
-
-
 @pytest.fixture
 def ingest():
     index = BlockIndex(max_blocks=100_000)
-    lock = threading.Lock()
-    sub = EventSubscriber(index, lock, snapshot_timeout_s=1.0)
-    yield index, lock, sub
+    sub = Owner(index, snapshot_timeout_s=1.0)
+    yield index, sub, sub
     sub.close()
 
 
@@ -164,12 +156,11 @@ def relay(raw):
     r.close()
 
 
-def held(index: BlockIndex, lock: threading.Lock, tokens: list[int], rid: str = RID) -> int:
-    with lock:
-        return index.match(block_keys(tokens, BS), (rid,), time.time())[rid]
+def held(index: BlockIndex, owner: Owner, tokens: list[int], rid: str = RID) -> int:
+    return owner.call(lambda: index.match(block_keys(tokens, BS), (rid,), time.time())[rid])
 
 
-def follow(sub: EventSubscriber, relay, rid: str = RID) -> None:
+def follow(sub: Owner, relay, rid: str = RID) -> None:
     sub.set_replica(rid, relay.events_endpoint, relay.snapshot_endpoint)
     wait_for(lambda: sub.synced(rid))
     time.sleep(0.2)  # the live SUB's subscription reaches the relay
@@ -201,8 +192,7 @@ def test_router_starting_late_gets_every_block_from_the_snapshot(ingest, monkeyp
         pub.publish(vkv.KVEventBatch(ts=time.time(), events=[stored(tokens[3 * BS:], [4], 3)]))
         wait_for(lambda: held(index, lock, tokens) == 4)
         assert all(held(index, lock, o) == 2 for o in others)
-        with lock:
-            assert index.replica_blocks(RID) == 4 + 2 * 20
+        assert sub.blocks() == 4 + 2 * 20
         assert sub.stats["snapshots"] == 1 and relay.stats["gaps"] == 0
         relay.close()
     finally:
@@ -265,8 +255,7 @@ def test_garbage_truncated_and_bad_frames_are_counted_and_index_stays_exact(inge
     assert relay.stats["replay_failures"] == 1
     assert held(index, lock, first) == 0  # nothing stale survives
     assert held(index, lock, second) == 0
-    with lock:
-        assert index.replica_blocks(RID) == 3
+    assert sub.blocks() == 3
 
 
 def test_unknown_event_type_skips_only_that_event(ingest, raw, relay):
@@ -298,8 +287,7 @@ def test_duplicate_and_out_of_order_seq(ingest, raw, relay):
     # Copies were not double counted: one removal per block empties the replica.
     raw.send(3, payload([vkv.BlockRemoved(block_hashes=[50, 51, 52], medium="GPU")]))
     wait_for(lambda: held(index, lock, tokens) == 0)
-    with lock:
-        assert index.replica_blocks(RID) == 0
+    assert sub.blocks() == 0
 
 
 def test_engine_restart_seq_back_to_zero_drops_old_entries(ingest, raw, relay):
@@ -353,11 +341,9 @@ def test_removed_replica_stays_removed_while_its_events_keep_coming(ingest, raw,
     try:
         wait_for(lambda: index.replica_blocks(RID) > 100)
         sub.remove_replica(RID)
-        with lock:
-            assert index.replica_blocks(RID) == 0 and RID not in index.replicas()  # at once
-        time.sleep(1.0)  # events keep coming for a second
-        with lock:
-            assert index.replica_blocks(RID) == 0 and index.num_keys == 0 and RID not in index.replicas()
+        assert sub.blocks() == 0 and RID not in sub.call(index.replicas)  # at once
+        time.sleep(1.0)  # events keep coming for a second (and the reader clears the slot in steps)
+        assert sub.blocks() == 0 and sub.call(lambda: index.num_keys) == 0 and RID not in sub.call(index.replicas)
         assert not sub.synced(RID) and RID not in sub.endpoints()
     finally:
         stop.set()
@@ -464,7 +450,7 @@ def test_an_exception_in_the_event_path_costs_a_snapshot_not_the_thread(ingest, 
     wait_for(lambda: held(index, lock, a) == 2 and sub.synced(RID))
     assert sub.stats["errors_handler"] == 1 and sub.stats["snapshots"] == 2  # repaired by a snapshot
 
-    real_reconcile = sub._reconcile
+    real_reconcile = sub.reader._reconcile
     loop_failures = iter([RuntimeError("injected loop failure")])
 
     def flaky_reconcile():
@@ -472,7 +458,7 @@ def test_an_exception_in_the_event_path_costs_a_snapshot_not_the_thread(ingest, 
             raise exc
         return real_reconcile()
 
-    monkeypatch.setattr(sub, "_reconcile", flaky_reconcile)
+    monkeypatch.setattr(sub.reader, "_reconcile", flaky_reconcile)
     b = chain(36, 2)
     fake_relay.seq, fake_relay.keys = 0, keys_of(a) + keys_of(b)
     sub.set_replica("replica-b", fake_relay.events_endpoint, fake_relay.snapshot_endpoint)  # the loop fails here
@@ -484,13 +470,11 @@ def test_an_exception_in_the_event_path_costs_a_snapshot_not_the_thread(ingest, 
     wait_for(lambda: held(index, lock, a) == 0 and held(index, lock, a, "replica-b") == 0)
 
 
-def test_a_dead_thread_is_started_again(ingest, fake_relay):
+def test_a_dead_reader_task_is_started_again(ingest, fake_relay):
     index, lock, sub = ingest
-    sub._stop.set()  # the thread ends as if killed
-    sub._thread.join(timeout=2)
-    assert not sub.alive()
-    sub._stop.clear()
-    sub.ensure_running()
+    sub.call(sub.reader._task.cancel)  # the task ends as if killed
+    wait_for(lambda: not sub.alive())
+    sub.call(sub.reader.ensure_running)
     assert sub.stats["thread_restarts"] == 1
     tokens = chain(37, 2)
     fake_relay.seq, fake_relay.keys = 0, keys_of(tokens)
@@ -548,8 +532,7 @@ def test_unfollowing_and_following_again_at_once_starts_over_from_a_snapshot(ing
     fake_relay.seq, fake_relay.keys = 1, keys_of(a) + keys_of(b)
     fake_relay.publish(1, [KeysStored(None, keys_to_bytes(keys_of(b)))])
     wait_for(lambda: held(index, lock, b) == 2)
-    with lock:
-        assert index.replica_blocks(RID) == 5
+    assert sub.blocks() == 5
 
 
 @pytest.mark.parametrize("endpoint", ["garbage", "tcp://host-without-port"])

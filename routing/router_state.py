@@ -1,0 +1,732 @@
+"""All of one prefix-affinity router's state, and the one decision sequence, free of Ray.
+
+A ``RouterState`` holds everything a router process knows: the cluster block
+index (``routing.index``), one KV-event feed per followed replica
+(``routing.feed``), one replica table, and one record per request in flight
+under a router-side id no client can collide with (the live router uses Serve's
+internal request id; the ingress's ``EngineRequest.route_id`` names it for the
+first-token signal).  It has one owner: every method runs on the owner's event
+loop (the live router: Serve's router loop; ``app.router`` posts to it from
+other threads), so nothing here takes a lock, reads a clock (times are passed
+in) or does I/O.  The live router, the simulator (``bench.sim.policies``) and
+the router benchmark (``bench.router_overhead``) all call it, so the
+choose -> routed -> first token -> completed sequence is written once.
+
+For each request:
+
+1. ``choose``: ``BlockIndex.match_tiers`` of the prompt's block keys for every
+   candidate (zero for all when the request bypasses the prefix cache: vLLM
+   computes a ``prompt_logprobs`` request whole); one ``ReplicaView`` per
+   candidate (matched GPU blocks and the host-memory blocks that would follow
+   them, ``routing.tiers.host_hit_blocks`` in whole offloaded chunks, both
+   zeroed when the replica's events are stalled; requests in flight and their
+   queued prefill tokens from this router's records; the engine's
+   ``num_running`` / ``num_waiting`` / ``kv_cache_usage`` from its routing
+   stats; ``max_ongoing_requests``; its free blocks, ``num_gpu_blocks`` less
+   the blocks the index says it holds; the price of a host-loaded token when
+   it reports a host tier); ``routing.policy.choose_replica``.
+2. ``routed``: the request went to a replica (the pick or a fallback rank): its
+   blocks are predicted there (the blind window, ``queued_predicted_ttl_s``
+   while it waits for its prefill), and its whole prefill less the predicted
+   cached tokens (every prompt of a list, times ``n``) joins the replica's
+   queued prefill work.
+3. ``first_token``: its prefill is done: its tokens leave the queued work and
+   its predictions get ``predicted_ttl_s`` more for the engine's events to
+   confirm them (except the prefix another request queued there shares).
+4. ``completed``: the record goes (a request that never got its first token
+   has its predictions shortened as in 3).
+
+Events: ``follow`` / ``unfollow`` a replica's relay; ``on_batch`` (a live
+batch through the replica's feed into the index), ``on_snapshot`` (a
+``SnapshotJob`` the owner runs in chunks with ``load_step``, so routing never
+waits behind a 2 M-key load); replica clears run in chunks too
+(``clear_step``).  A request that arrives while a replica's snapshot loads is
+answered from what the index held of it before.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+from routing import defaults
+from routing.feed import FeedState, ReplicaFeed
+from routing.index import CLEAR_STEP_SLOTS, SNAPSHOT_STEP_KEYS, BlockIndex
+from routing.key_events import KeyEventBatch, KeySnapshot
+from routing.policy import Decision, PolicyConfig, ReplicaView, RoutingRequest, cached_tokens, choose_replica
+from routing.staleness import owed_after_send, stalled
+from routing.tiers import HOST_LINK_BYTES_PER_S, TIER_LABELS, Tier, host_hit_blocks
+
+__all__ = ["Candidate", "RequestRecord", "RouteRequest", "Routed", "RouterState", "SnapshotJob", "with_adapter"]
+
+_NO_STATS: Mapping[str, Any] = MappingProxyType({})
+MAX_RECORDS = 100_000
+"""Records kept at most (a request chosen but never sent or completed is dropped oldest first)."""
+RECENT_DECISIONS = 4096
+"""Decision records kept for ``/debug/routing/decisions/{id}``."""
+SNAPSHOT_CHUNK_KEYS = SNAPSHOT_STEP_KEYS
+"""Keys a snapshot load applies per step between requests (``routing.index.SNAPSHOT_STEP_KEYS``: under a
+millisecond; half that measured worse in ``bench/owner_loop.py``, the steps' overhead and GIL hand-offs)."""
+CLEAR_CHUNK_SLOTS = CLEAR_STEP_SLOTS
+"""Table slots a replica clear scans per step between requests (``routing.index.CLEAR_STEP_SLOTS``: about
+half a millisecond)."""
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A candidate replica as the request router sees it.
+
+    Attributes:
+        replica_id: the replica's id.
+        routing_stats: its last reported stats (``num_running``, ``num_waiting``,
+            ``kv_cache_usage``, ``num_gpu_blocks``; with a host tier
+            ``num_host_blocks``, ``kv_bytes_per_token`` and
+            ``host_blocks_per_chunk``), or None before the first report.
+        max_ongoing_requests: the per-replica concurrency cap, or None.
+    """
+
+    replica_id: str
+    routing_stats: Mapping[str, Any] | None
+    max_ongoing_requests: int | None
+
+
+def with_adapter(candidates: Sequence[Candidate], lora_name: str | None,
+                 stats_key: str = "lora_adapters") -> list[Candidate]:
+    """The candidates whose engines have ``lora_name`` loaded (listed under ``stats_key``
+    in their routing stats), or all of them when none has it or the request names no
+    adapter: a replica without the adapter would first load it from disk.
+    """
+    if lora_name is None:
+        return list(candidates)
+    having = [c for c in candidates if lora_name in ((c.routing_stats or {}).get(stats_key) or ())]
+    return having or list(candidates)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What the router knows of a request.
+
+    Attributes:
+        keys: block keys of its (first) prompt, ``routing.block_keys``.
+        prompt_tokens: that prompt's length in tokens.
+        block_size: the engines' block size in tokens.
+        prefill_tokens: every prompt token the engine will prefill: the sum of
+            the prompts of a list, times ``n`` (0: ``prompt_tokens``).
+        bypass_cache: vLLM computes the whole prompt (``prompt_logprobs``:
+            ``SamplingParams.skip_reading_prefix_cache``): no hit anywhere.
+        request_id: the id the client sees (the response ``id``; a client may
+            reuse it), for the decision record only.
+    """
+
+    keys: Sequence[int]
+    prompt_tokens: int
+    block_size: int
+    prefill_tokens: int = 0
+    bypass_cache: bool = False
+    request_id: str = ""
+
+    @property
+    def total_prefill_tokens(self) -> int:
+        return self.prefill_tokens or self.prompt_tokens
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request, from ``choose`` (or ``routed`` without a decision) to ``completed``.
+
+    Attributes:
+        route_id: the router-side id.
+        request: what the router knows of it (None: not a generate call).
+        decision: the last ``choose``'s answer (None: routed without a score).
+        fallback: why it was routed without a score, if it was.
+        started_ns: when routing began (the routing span's start), wall-clock ns.
+        replica_id: where it was sent (None before ``routed``).
+        queued_tokens: its tokens in the replica's queued prefill work.
+        queued: it waits for its first token (its keys stay predicted).
+        signal_id: the id its first-token signal carries, when not ``route_id``.
+    """
+
+    route_id: str
+    request: RouteRequest | None = None
+    decision: Decision | None = None
+    fallback: str | None = None
+    started_ns: int = 0
+    replica_id: str | None = None
+    queued_tokens: int = 0
+    queued: bool = False
+    signal_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """What ``routed`` recorded: the replica, why, and the cached tokens it predicted
+    (``predicted_host_tokens`` of them loaded from host memory)."""
+
+    replica_id: str
+    reason: str
+    predicted_cached_tokens: int
+    prompt_tokens: int
+    predicted_host_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ReplicaEntry:
+    """One replica of the replica table.
+
+    Attributes:
+        feed: its KV-event feed (None until its relay's endpoints are known).
+        requests: records in flight there, routed by this router.
+        queued: of those, the ones waiting for their first token.
+        queued_prefill_tokens: the sum of their ``queued_tokens``.
+        owed_since: when the first request still owed a ``BlockStored`` went
+            out (``routing.staleness``), None if none is owed.
+    """
+
+    replica_id: str
+    feed: ReplicaFeed[KeyEventBatch] | None = None
+    requests: dict[str, RequestRecord] = field(default_factory=dict)
+    queued: dict[str, RequestRecord] = field(default_factory=dict)
+    queued_prefill_tokens: int = 0
+    owed_since: float | None = None
+
+
+@dataclass(slots=True)
+class SnapshotJob:
+    """A snapshot being loaded into the index in chunks (``RouterState.load_step``)."""
+
+    replica_id: str
+    generation: int
+    load: Any  # routing.index.SnapshotLoad
+
+
+class RouterState:
+    """State and decision sequence of one prefix-affinity router (see the module doc).
+
+    Args:
+        index: the cluster block index.
+        load_factor: bounded load (``PolicyConfig.load_epsilon`` = ``load_factor - 1``).
+        predicted_ttl_s: blind-window lifetime of predicted blocks after the
+            request's first token (or its end without one), seconds.
+        queued_predicted_ttl_s: their lifetime before that, seconds.
+        stale_events_s: a replica owing events this long is routed by load only.
+        rng: tie-breaks, and sampling when ``policy.no_match_choices`` > 0.
+        policy: cost-function knobs.
+        release_prefill_at_first_token: False keeps a request's tokens in the
+            queued work until ``completed`` (the simulator's ablation only).
+        host_link_bytes_per_s: host tier to GPU copy bandwidth, bytes/s.
+        block_size: the router's block size; a relay snapshot of another is
+            refused (``errors_block_size``).  None accepts any.
+
+    Raises:
+        ValueError: ``host_link_bytes_per_s`` not positive.
+    """
+
+    def __init__(self, index: BlockIndex, *, load_factor: float = defaults.LOAD_FACTOR,
+                 predicted_ttl_s: float = defaults.PREDICTED_TTL_S,
+                 queued_predicted_ttl_s: float = defaults.QUEUED_PREDICTED_TTL_S,
+                 stale_events_s: float = defaults.STALE_EVENTS_S, rng: random.Random | None = None,
+                 policy: PolicyConfig | None = None, release_prefill_at_first_token: bool = True,
+                 host_link_bytes_per_s: float = HOST_LINK_BYTES_PER_S, block_size: int | None = None) -> None:
+        if not host_link_bytes_per_s > 0:
+            raise ValueError(f"host_link_bytes_per_s must be positive, got {host_link_bytes_per_s}")
+        if stale_events_s <= 0:
+            raise ValueError(f"stale_events_s must be positive, got {stale_events_s}")
+        self.host_link_bytes_per_s = float(host_link_bytes_per_s)
+        self.policy = replace(policy or PolicyConfig(), load_epsilon=load_factor - 1.0)
+        self.release_prefill_at_first_token = release_prefill_at_first_token
+        self.index = index
+        self.block_size = block_size
+        self.predicted_ttl_s = predicted_ttl_s
+        self.queued_predicted_ttl_s = max(queued_predicted_ttl_s, predicted_ttl_s)
+        self.stale_events_s = stale_events_s
+        self.rng = rng or random.Random()
+        self.replicas: dict[str, ReplicaEntry] = {}
+        self.requests: OrderedDict[str, RequestRecord] = OrderedDict()
+        self._by_signal: dict[str, str] = {}  # route id of the first-token signal -> record id (when they differ)
+        self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()  # record id -> decision record
+        self._decisions_of: dict[str, list[str]] = {}  # client-visible request id -> record ids, oldest first
+        self.stats: Counter[str] = Counter()  # the event path's counters (errors_<cause>, snapshots, ...)
+        self.stale_fallbacks = 0
+        self.last_lag_s = 0.0
+        self.max_lag_s = 0.0
+        self._generation = 0
+
+    # ------------------------------------------------------------------ replica table
+
+    def add_replica(self, replica_id: str) -> ReplicaEntry:
+        """The replica is a candidate (known to Serve); a no-op if it is in the table."""
+        entry = self.replicas.get(replica_id)
+        if entry is None:
+            entry = self.replicas[replica_id] = ReplicaEntry(replica_id)
+        return entry
+
+    def follow(self, replica_id: str, events_endpoint: str, snapshot_endpoint: str, now: float) -> bool:
+        """Follow the replica's relay (again, from a snapshot, if its endpoints changed).
+
+        Returns True if something changed (a new feed).  A replica past the
+        index's ``MAX_REPLICAS`` is counted (``index_replicas_refused``) and
+        routed by load only.
+        """
+        entry = self.add_replica(replica_id)
+        feed = entry.feed
+        if feed is not None and feed.events_endpoint == events_endpoint \
+                and feed.snapshot_endpoint == snapshot_endpoint:
+            return False
+        self._generation += 1
+        entry.feed = ReplicaFeed(replica_id, events_endpoint, snapshot_endpoint, self._generation, self.stats)
+        entry.feed.since = now
+        if feed is not None:  # new endpoints: the engine replica restarted; start over
+            self.index.remove_replica(replica_id)
+        self.index.add_replica(replica_id)
+        return True
+
+    def follow_in_order(self, replica_id: str, epoch: int = 0) -> ReplicaFeed[KeyEventBatch]:
+        """Follow a replica whose batches all arrive, in order, from ``seq`` 0 (the simulator)."""
+        entry = self.add_replica(replica_id)
+        self._generation += 1
+        entry.feed = ReplicaFeed.in_order(replica_id, epoch=epoch, stats=self.stats)
+        entry.feed.generation = self._generation
+        self.index.add_replica(replica_id)
+        return entry.feed
+
+    def unfollow(self, replica_id: str) -> None:
+        """The replica left: its entry, feed and index entries go at once (the index
+        clears its slot later, in chunks); its requests' records stay until completed
+        (their accounting went with the entry).  Events still in flight for it are dropped."""
+        entry = self.replicas.pop(replica_id, None)
+        if entry is not None:
+            for record in entry.requests.values():
+                record.queued = False
+                record.queued_tokens = 0
+        self.index.remove_replica(replica_id)
+
+    def feed(self, replica_id: str) -> ReplicaFeed[KeyEventBatch] | None:
+        entry = self.replicas.get(replica_id)
+        return entry.feed if entry is not None else None
+
+    def feeds(self) -> list[ReplicaFeed[KeyEventBatch]]:
+        return [e.feed for e in self.replicas.values() if e.feed is not None]
+
+    def _current_feed(self, replica_id: str, generation: int) -> ReplicaFeed[KeyEventBatch] | None:
+        feed = self.feed(replica_id)
+        if feed is None or feed.generation != generation:
+            self.stats["errors_unfollowed_replica"] += 1
+            return None
+        return feed
+
+    # ------------------------------------------------------------------ events
+
+    def on_batch(self, replica_id: str, generation: int, seq: int, batch: KeyEventBatch, now: float) -> int:
+        """A live batch from the relay of ``replica_id``'s follow ``generation``;
+        returns how many batches went into the index (0: buffered, duplicate, or
+        dropped for an unfollowed replica).  An error applying a batch costs the
+        replica a snapshot, never the others (``errors_handler``)."""
+        feed = self._current_feed(replica_id, generation)
+        if feed is None:
+            return 0
+        return self._apply(feed, feed.on_batch(seq, batch.epoch, batch, now), now)
+
+    def _apply(self, feed: ReplicaFeed[KeyEventBatch], batches: list[KeyEventBatch], now: float) -> int:
+        applied = 0
+        for batch in batches:
+            try:
+                self.index.apply_keys(feed.replica_id, batch.events)
+            except Exception:  # noqa: BLE001 - a bad batch costs its replica a snapshot
+                self.stats["errors_handler"] += 1
+                feed.lost_sync(now)
+                return applied
+            lag = feed.applied(len(batch.events), now, batch.ts)
+            if lag is not None:
+                self.last_lag_s = lag
+                self.max_lag_s = max(self.max_lag_s, lag)
+            applied += 1
+        return applied
+
+    def on_snapshot(self, replica_id: str, generation: int, snap: KeySnapshot, now: float) -> SnapshotJob | None:
+        """A relay's snapshot answer: the job that loads it (``load_step``), or None if it is
+        refused (another block size, not asked for, an unfollowed replica)."""
+        feed = self._current_feed(replica_id, generation)
+        if feed is None:
+            return None
+        if self.block_size is not None and snap.block_size != self.block_size:
+            feed.snapshot_failed(now, "block_size")
+            return None
+        if not feed.on_snapshot(snap.epoch, snap.seq):
+            return None
+        load = self.index.begin_snapshot(replica_id, snap.keys, snap.host_keys)
+        if load is None:  # pragma: no cover - the feed exists, so the index follows the replica
+            feed.lost_sync(now)
+            return None
+        return SnapshotJob(replica_id, generation, load)
+
+    def load_step(self, job: SnapshotJob, now: float, max_keys: int = SNAPSHOT_CHUNK_KEYS) -> bool:
+        """Load up to ``max_keys`` more keys of ``job``; True when it is done (the
+        replica then answers from the snapshot, and the batches kept meanwhile are
+        applied), or abandoned (the replica was unfollowed or followed anew)."""
+        feed = self.feed(job.replica_id)
+        if feed is None or feed.generation != job.generation or feed.state is not FeedState.LOADING:
+            self.stats["errors_unfollowed_replica"] += 1
+            self.index.cancel_snapshot(job.load)
+            return True
+        if not self.index.snapshot_step(job.load, max_keys):
+            return False
+        if not self.index.finish_snapshot(job.load):  # pragma: no cover - superseded loads are caught above
+            feed.lost_sync(now)
+            return True
+        self._apply(feed, feed.loaded(now), now)
+        return True
+
+    def load_snapshot(self, replica_id: str, generation: int, snap: KeySnapshot, now: float) -> bool:
+        """``on_snapshot`` and every ``load_step`` at once (tests, tools); True if it was applied."""
+        job = self.on_snapshot(replica_id, generation, snap, now)
+        if job is None:
+            return False
+        while not self.load_step(job, now):
+            pass
+        return self.synced(replica_id)
+
+    def clear_step(self, max_slots: int = CLEAR_CHUNK_SLOTS) -> bool:
+        """Clear up to ``max_slots`` table slots of departed or replaced replicas; True while more remain."""
+        return self.index.clear_step(max_slots)
+
+    def resync_all(self, now: float) -> None:
+        """The relay reader restarted: every feed starts over from a snapshot."""
+        for feed in self.feeds():
+            if feed.state is FeedState.LOADING:
+                feed.state = FeedState.REQUESTED  # its job is abandoned by its next load_step
+            feed.lost_sync(now)
+
+    # ------------------------------------------------------------------ routing
+
+    def choose(self, route_id: str, request: RouteRequest | None, candidates: Sequence[Candidate],
+               now: float, started_ns: int = 0) -> Decision:
+        """Pick a replica for the request recorded as ``route_id`` (``request``: a new one;
+        None: the one already recorded, chosen again after Serve backed off).
+
+        Raises:
+            KeyError: ``request`` is None and no record of ``route_id`` has one.
+            ValueError: no candidates.
+        """
+        record = self.requests.get(route_id)
+        if record is None:
+            record = self._new_record(route_id, started_ns)
+        if request is not None:
+            record.request = request
+        elif record.request is None:
+            raise KeyError(f"no request recorded as {route_id!r}")
+        req = record.request
+        assert req is not None
+        keys = req.keys
+        uids = tuple(c.replica_id for c in candidates)
+        if req.bypass_cache:
+            matches: Mapping[str, tuple[int, int]] = dict.fromkeys(uids, (0, 0))
+        else:
+            matches = self.index.match_tiers(keys, uids, now)
+        # One ReplicaView per candidate (positional: this loop is most of a decision's Python time).
+        held_blocks, table, stale_s = self.index.replica_blocks, self.replicas, self.stale_events_s
+        views = []
+        for c in candidates:
+            uid = c.replica_id
+            stats = c.routing_stats or _NO_STATS
+            matched, host_end = matches[uid]
+            entry = table.get(uid)
+            if host_end and entry is not None and entry.owed_since is not None \
+                    and stalled(entry.owed_since, now, self._last_event_at(entry), stale_s):
+                self.stale_fallbacks += 1
+                matched = host_end = 0
+            capacity = stats.get("num_gpu_blocks")
+            host, host_price = 0, None
+            if stats.get("num_host_blocks") and stats.get("kv_bytes_per_token"):
+                host_price = float(stats["kv_bytes_per_token"]) / self.host_link_bytes_per_s
+                if host_end > matched:
+                    host = host_hit_blocks(matched, host_end, int(stats.get("host_blocks_per_chunk") or 1))
+            views.append(ReplicaView(
+                uid, matched, len(entry.requests) if entry is not None else 0,
+                entry.queued_prefill_tokens if entry is not None else 0,
+                stats.get("num_running"), stats.get("num_waiting"), stats.get("kv_cache_usage"),
+                c.max_ongoing_requests,
+                # vLLM's num_gpu_blocks counts the null block, which never caches.
+                None if not capacity else int(capacity) - 1 - held_blocks(uid),
+                host, host_price,
+            ))
+        decision = choose_replica(RoutingRequest(req.prompt_tokens, req.block_size), views, self.policy, self.rng)
+        record.decision = decision
+        record.fallback = None
+        return decision
+
+    def note_fallback(self, route_id: str, reason: str, request: RouteRequest | None, started_ns: int = 0) -> None:
+        """The request is routed without a score (``reason``: the decision record's)."""
+        record = self.requests.get(route_id) or self._new_record(route_id, started_ns)
+        record.fallback = reason
+        record.decision = None
+        if request is not None:
+            record.request = request
+
+    def signal(self, signal_id: str, route_id: str) -> None:
+        """First-token signals for ``signal_id`` (the ingress's ``EngineRequest.route_id``) name ``route_id``."""
+        record = self.requests.get(route_id)
+        if record is None or signal_id == route_id:
+            return
+        if record.signal_id is not None:
+            self._by_signal.pop(record.signal_id, None)
+        record.signal_id = signal_id
+        self._by_signal[signal_id] = route_id
+
+    def _new_record(self, route_id: str, started_ns: int) -> RequestRecord:
+        record = self.requests[route_id] = RequestRecord(route_id, started_ns=started_ns)
+        while len(self.requests) > MAX_RECORDS:  # chosen but never sent or completed: the oldest go
+            self._drop(next(iter(self.requests)), None)
+        return record
+
+    def routed(self, route_id: str, replica_id: str, now: float) -> Routed:
+        """The request went to ``replica_id`` (the decision's pick, or a fallback rank)."""
+        record = self.requests.get(route_id) or self._new_record(route_id, 0)
+        entry = self.add_replica(replica_id)
+        if record.replica_id is not None:  # sent again under the same record: the last try is over
+            self._leave(record, now)
+        req, decision = record.request, record.decision
+        record.replica_id = replica_id
+        entry.requests[route_id] = record
+        if req is None or decision is None:  # not a generate call, or routed without a score
+            reason = record.fallback or "unscored"
+            return Routed(replica_id, reason, 0, req.prompt_tokens if req is not None else 0)
+        keys, prompt_len, bs = req.keys, req.prompt_tokens, req.block_size
+        matched = 0 if req.bypass_cache else self.index.match(keys, (replica_id,), now).get(replica_id, 0)
+        if keys:
+            self.index.predict(replica_id, keys, now, self.queued_predicted_ttl_s)
+            record.queued = True
+            entry.queued[route_id] = record
+        if len(keys) > matched:  # it will compute and store new full blocks: a BlockStored is owed
+            entry.owed_since = owed_after_send(entry.owed_since, now, self._last_event_at(entry))
+        predicted = cached_tokens(matched, prompt_len, bs)
+        # Host-memory tokens as the decision priced them (the GPU part may have grown since: a prediction).
+        host = 0 if req.bypass_cache else min(decision.host_tokens.get(replica_id, 0),
+                                              cached_tokens(len(keys), prompt_len, bs) - predicted)
+        host = max(host, 0)
+        predicted += host
+        record.queued_tokens = req.total_prefill_tokens - predicted
+        entry.queued_prefill_tokens += record.queued_tokens
+        reason = decision.reason if replica_id == decision.replica_id else "fallthrough"
+        return Routed(replica_id, reason, predicted, prompt_len, host)
+
+    def record_decision(self, route_id: str, routed: Routed, now: float,
+                        extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Keep the decision record of a routed request for the debug route (the newest
+        ``RECENT_DECISIONS``); ``extra`` adds the caller's fields."""
+        record = self.requests.get(route_id)
+        decision = record.decision if record is not None else None
+        req = record.request if record is not None else None
+        uid = routed.replica_id
+        gpu = routed.predicted_cached_tokens - routed.predicted_host_tokens
+        d: dict[str, Any] = {
+            "route_id": route_id,
+            "request_id": req.request_id if req is not None else "",
+            "replica_id": uid,
+            "reason": routed.reason,
+            "matched_tokens": routed.predicted_cached_tokens,
+            "matched_tokens_by_tier": {TIER_LABELS[Tier.GPU]: gpu,
+                                       TIER_LABELS[Tier.HOST]: routed.predicted_host_tokens},
+            "best_alternative_matched_tokens": decision.best_alternative_matched_tokens if decision else 0,
+            "predicted_ttft_s": decision.costs.get(uid) if decision else None,
+            "prompt_tokens": routed.prompt_tokens,
+            "prefill_tokens": req.total_prefill_tokens if req is not None else 0,
+            "queued_prefill_tokens": record.queued_tokens if record is not None else 0,
+            "bypass_cache": bool(req is not None and req.bypass_cache),
+            "candidates": len(decision.costs) if decision else 0,
+            "index_staleness_s": self.staleness_s(uid, now),
+            **(extra or {}),
+        }
+        self.decisions[route_id] = d
+        if d["request_id"]:
+            self._decisions_of.setdefault(d["request_id"], []).append(route_id)
+        while len(self.decisions) > RECENT_DECISIONS:
+            old_id, old = self.decisions.popitem(last=False)
+            ids = self._decisions_of.get(old["request_id"])
+            if ids is not None:
+                ids.remove(old_id)
+                if not ids:
+                    del self._decisions_of[old["request_id"]]
+        return d
+
+    def decisions_for(self, request_id: str) -> list[dict[str, Any]]:
+        """Decision records of the recent requests the client knows as ``request_id``, oldest first."""
+        return [self.decisions[r] for r in self._decisions_of.get(request_id, ()) if r in self.decisions]
+
+    def first_token(self, route_id: str, now: float) -> None:
+        """The request's first output came back: its prefill is no longer queued work, and
+        its predictions expire ``predicted_ttl_s`` from ``now`` (but for the prefix another
+        request queued on the replica shares).  Unknown ids (routed by another router,
+        completed, long gone) and repeated signals are ignored."""
+        record = self.requests.get(self._by_signal.get(route_id, route_id))
+        if record is None or record.replica_id is None:
+            return
+        entry = self.replicas.get(record.replica_id)
+        if entry is None:
+            return
+        if self.release_prefill_at_first_token and record.queued_tokens:
+            entry.queued_prefill_tokens -= record.queued_tokens
+            record.queued_tokens = 0
+        self._end_queued(record, entry, now)
+
+    def completed(self, route_id: str, now: float) -> None:
+        """The request ended (answered, failed or cancelled): its record goes."""
+        self._drop(route_id, now)
+
+    def _drop(self, route_id: str, now: float | None) -> None:
+        record = self.requests.pop(route_id, None)
+        if record is None:
+            return
+        if record.replica_id is not None:
+            self._leave(record, now)
+        if record.signal_id is not None:
+            self._by_signal.pop(record.signal_id, None)
+
+    def _leave(self, record: RequestRecord, now: float | None) -> None:
+        """The record's replica no longer runs it: its accounting there goes."""
+        assert record.replica_id is not None
+        entry = self.replicas.get(record.replica_id)
+        if entry is not None:
+            entry.queued_prefill_tokens -= record.queued_tokens
+            entry.requests.pop(record.route_id, None)
+            if now is not None:
+                self._end_queued(record, entry, now)
+            else:
+                entry.queued.pop(record.route_id, None)
+        record.queued_tokens = 0
+        record.queued = False
+        record.replica_id = None
+
+    def _end_queued(self, record: RequestRecord, entry: ReplicaEntry, now: float) -> None:
+        """Shorten to ``predicted_ttl_s`` the record's predictions no other queued request shares.
+
+        Block keys are chained, so two prompts share exactly a common prefix of
+        keys: the longest one shared with another request queued on the replica
+        (a binary search each) stays predicted, the rest is shortened.  The
+        routing path pays nothing for this; the end of a request pays
+        ``O(queued on the replica * log(blocks))``.
+        """
+        if not record.queued:
+            return
+        record.queued = False
+        del entry.queued[record.route_id]
+        assert record.request is not None
+        keys = record.request.keys
+        shared = 0
+        for other in entry.queued.values():
+            assert other.request is not None
+            shared = max(shared, _common_prefix(keys, other.request.keys))
+            if shared == len(keys):
+                return
+        self.index.predict(entry.replica_id, keys[shared:], now, self.predicted_ttl_s)
+
+    # ------------------------------------------------------------------ reading
+
+    @staticmethod
+    def _last_event_at(entry: ReplicaEntry) -> float | None:
+        feed = entry.feed
+        return feed.last_event_at if feed is not None and feed.batches else None
+
+    def last_event_at(self, replica_id: str) -> float | None:
+        """Time of the replica's last snapshot or applied batch with events (None if none yet)."""
+        entry = self.replicas.get(replica_id)
+        return self._last_event_at(entry) if entry is not None else None
+
+    def staleness_s(self, replica_id: str, now: float) -> float | None:
+        """Seconds since the replica's relay last told this router anything (a batch, a heartbeat
+        or a snapshot): how old the index's picture of it may be.  None before its snapshot."""
+        feed = self.feed(replica_id)
+        if feed is None or not feed.batches:
+            return None
+        return max(0.0, now - feed.last_message_at)
+
+    def synced(self, replica_id: str) -> bool:
+        feed = self.feed(replica_id)
+        return feed is not None and feed.synced
+
+    def awaiting_snapshot(self, replica_ids: Sequence[str], now: float, budget_s: float) -> bool:
+        """True if one of the replicas is followed, not synced, and was followed or lost
+        sync less than ``budget_s`` ago: worth a request's wait."""
+        for uid in replica_ids:
+            feed = self.feed(uid)
+            if feed is not None and feed.awaiting_snapshot(now, budget_s):
+                return True
+        return False
+
+    def inflight(self, replica_id: str) -> int:
+        entry = self.replicas.get(replica_id)
+        return len(entry.requests) if entry is not None else 0
+
+    def readiness(self, replica_ids: Sequence[str], warmed: set[str], reader_alive: bool,
+                  init_error: str | None = None) -> tuple[bool, dict[str, Any]]:
+        """``(ready, detail)``: ready when at least one of ``replica_ids`` is warmed up (in
+        ``warmed``) and its snapshot is applied here, and the relay reader runs.
+
+        One serving replica is enough: the probe gates a whole ingress, and every
+        ingress sees the same engines.  ``detail``: ``replicas``,
+        ``ready_replicas``, ``synced_replicas``, ``serving_replicas``,
+        ``not_serving`` (replica id -> what it lacks), ``event_path_alive`` and,
+        when not ready, ``reason``.
+        """
+        ready = set(warmed) & set(replica_ids)
+        synced = {uid for uid in replica_ids if self.synced(uid)}
+        not_serving = {}
+        for uid in replica_ids:
+            if uid not in ready:
+                not_serving[uid] = "not warmed up yet"
+            elif uid not in synced:
+                not_serving[uid] = "block snapshot not applied yet"
+        detail: dict[str, Any] = {"replicas": len(replica_ids), "ready_replicas": len(ready),
+                                  "synced_replicas": len(synced), "serving_replicas": len(ready & synced),
+                                  "not_serving": not_serving, "event_path_alive": reader_alive}
+        n = len(replica_ids)
+        if init_error is not None:
+            detail["reason"] = f"request router cannot start: {init_error}"
+        elif not replica_ids:
+            detail["reason"] = "no engine replica is running yet"
+        elif not ready:
+            detail["reason"] = f"none of {n} engine replicas is warmed up yet"
+        elif not ready & synced:
+            detail["reason"] = f"no warmed-up engine replica's block snapshot is applied yet ({n} known)"
+        elif not reader_alive:
+            detail["reason"] = "the KV-event subscriber is not running"
+        return "reason" not in detail, detail
+
+    def debug_snapshot(self) -> dict[str, Any]:
+        """State for operators and tests: per-replica blocks, sync, in-flight requests, counters."""
+        index = self.index
+        followed = {uid: e.feed for uid, e in self.replicas.items() if e.feed is not None}
+        return {
+            "indexed_blocks": index.num_keys,
+            "indexed_host_blocks": index.num_host_keys,
+            "index_bytes": index.memory_bytes(),
+            "replica_blocks": {uid: index.replica_blocks(uid) for uid in index.replicas()},
+            "replica_host_blocks": {uid: index.replica_host_blocks(uid) for uid in index.replicas()},
+            "index_stats": index.stats.as_dict(),
+            "subscribed": {uid: f.events_endpoint for uid, f in followed.items()},
+            "synced": sorted(uid for uid, f in followed.items() if f.synced),
+            "events": dict(self.stats),
+            "inflight": {uid: len(e.requests) for uid, e in self.replicas.items()},
+            "queued_prefill_tokens": {uid: e.queued_prefill_tokens for uid, e in self.replicas.items()},
+            "records": len(self.requests),
+            "pending_clears": index.pending_clears,
+        }
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two chained block-key sequences.
+
+    Chained keys are equal at position ``i`` only if every key before is equal
+    too, so a binary search on single positions finds it.
+    """
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
