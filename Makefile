@@ -91,7 +91,7 @@ test-engine: install model system-deps
 # routing/ beside them), and the C and index tests run against that copy: libasan preloaded (CPython is
 # not instrumented), PYTHONMALLOC=malloc so PyMem blocks are ASan's, leaks not checked (CPython keeps
 # objects until exit), any UB report fatal.
-ASAN_TESTS := tests/test_blocktable.py tests/test_block_keys.py tests/test_index.py tests/test_key_events.py tests/test_affinity.py
+ASAN_TESTS := tests/test_blocktable.py tests/test_block_keys.py tests/test_index.py tests/test_key_events.py tests/test_router_state.py
 test-asan: install
 	rm -rf build/asan build/asan-tmp && mkdir -p build/asan/routing
 	cp routing/*.py build/asan/routing/
@@ -105,8 +105,11 @@ lint: install
 	$(PY) -m ruff check app routing bench tests locustfiles infra examples
 	$(PY) -m mypy
 
+# Router cost against Dynamo's RadixTree, then routing latency while the router's loop loads a
+# 2 M-key snapshot and clears a 2 M-key replica (bench/owner_loop.py).
 bench: install
 	$(PY) -m bench.router_overhead --json reports/router_overhead.json
+	$(PY) -m bench.owner_loop --json reports/owner_loop.json
 
 # A/B load experiment of the request routers (ours, Serve's power-of-two-choices, round-robin,
 # Ray's PrefixCacheAffinityRouter) on the engines of serve_config.yaml, the same Locust load each.

@@ -170,8 +170,11 @@ async def soak(url: str, duration_s: float, concurrency: int, seed: int, model: 
           f"last minute p99 {last_minute.get('p99')} us ({last_minute.get('count')} decisions)"
           f"  -> {'stable' if stable else 'NOT STABLE'}")
     events = final.get("events", {})
-    print(f"KV events           {events.get('batches')} batches, gaps {events.get('gaps')}, "
-          f"replays {events.get('replays')}, decode errors {events.get('decode_errors')}")
+    # The router's event-path counters (RouterState.stats): errors by cause as errors_<cause>.
+    event_errors = {k: v for k, v in events.items() if k.startswith("errors_") and v}
+    print(f"KV events           {events.get('batches', 0)} batches, {events.get('snapshots', 0)} snapshots, "
+          f"gaps {events.get('errors_gap', 0)}, decode errors {events.get('errors_decode', 0)}, "
+          f"errors by cause {event_errors or 'none'}")
     ok = not out["errors"] and within_cap and stable and out["requests"] > 0
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
