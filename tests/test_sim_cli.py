@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench.sim.cli import main
@@ -192,3 +193,18 @@ def test_sweep_writes_a_report_per_point_and_a_figure(tmp_path, capsys):
     for bad in ("nan", "1,inf", "0", "x"):
         with pytest.raises(SystemExit, match="--rates"):
             sweep_main(args[:7] + [bad] + args[8:])
+
+
+def test_decisions_are_saved_per_request_and_compared(tmp_path):
+    """bench.sim.decisions: the same options give identical files (exit 0), another seed another file (1)."""
+    from bench.sim import decisions
+
+    args = ["--workload", "chat", "--limit", "120", "--replicas", "2"]
+    a, b, c = (str(tmp_path / f"{n}.npz") for n in "abc")
+    assert decisions.main(["--out", a, *args, "--seed", "1"]) == 0
+    assert decisions.main(["--out", b, *args, "--seed", "1"]) == 0
+    assert decisions.main(["--out", c, *args, "--seed", "2"]) == 0
+    assert decisions.main(["--compare", a, b]) == 0
+    assert decisions.main(["--compare", a, c]) == 1
+    saved = np.load(a)
+    assert len(saved["replica"]) == 120 and set(saved["replica"].tolist()) <= {0, 1}
