@@ -281,6 +281,10 @@ class RouterState:
         entry.feed.since = now
         if feed is not None:  # new endpoints: the engine replica restarted; start over
             self.index.remove_replica(replica_id)
+            for record in entry.queued.values():  # their predictions went with the old slot
+                record.queued = False
+            entry.queued.clear()
+            entry.owed_since = None
         self.index.add_replica(replica_id)
         return True
 

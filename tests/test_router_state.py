@@ -421,3 +421,18 @@ def test_readiness_names_what_is_missing():
     assert state.readiness(["a"], {"a"}, True)[0]
     ok, detail = state.readiness(["a"], {"a"}, False)
     assert not ok and detail["reason"] == "the KV-event subscriber is not running"
+
+
+def test_new_endpoints_start_the_replica_over_and_its_queued_requests_predict_nothing_more():
+    state = RouterState(BlockIndex(max_blocks=10_000), rng=random.Random(0), block_size=BS)
+    state.follow("a", "tcp://x:1", "tcp://x:2", now=0.0)
+    prompt = list(range(1, 1 + 4 * BS))
+    state.choose("r1", req(prompt), candidates("a"), now=0.0)
+    state.routed("r1", "a", 0.0)
+    assert held(state, prompt, "a", 1.0) == 4  # predicted
+    state.follow("a", "tcp://y:1", "tcp://y:2", now=1.0)  # the engine replica restarted elsewhere
+    assert held(state, prompt, "a", 1.0) == 0 and not state.synced("a")
+    state.first_token("r1", 1.5)
+    state.completed("r1", 2.0)
+    assert held(state, prompt, "a", 2.5) == 0  # nothing predicted onto the new incarnation
+    assert state.requests == {} and state.replicas["a"].queued_prefill_tokens == 0
