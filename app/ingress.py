@@ -153,12 +153,12 @@ def _tell_routers_first_token(route_id: str) -> None:
     Router bookkeeping must never fail a request: errors are logged and counted
     (``prefix_serve_router_fallbacks_total{cause="first_token"}``).
     """
-    try:
-        for router in list(metrics.ROUTERS):
+    for router in list(metrics.ROUTERS):  # one router's failure must not hide the news from the others
+        try:
             router.first_token(route_id)
-    except Exception:
-        metrics.FALLBACKS.labels(cause="first_token").inc()
-        logger.exception("router first-token bookkeeping failed")
+        except Exception:
+            metrics.FALLBACKS.labels(cause="first_token").inc()
+            logger.exception("router first-token bookkeeping failed")
 
 
 async def _ask(router: Any, fn: Any) -> Any:
@@ -539,7 +539,10 @@ class OpenAIIngress:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         for router in list(metrics.ROUTERS):
-            await _ask(router, router.export_gauges)
+            try:
+                await _ask(router, router.export_gauges)
+            except Exception:  # noqa: BLE001 - a scrape still answers, with that router's gauges as they were
+                logger.exception("refreshing a router's gauges failed")
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @fastapi_app.get("/metrics/engines")

@@ -8,6 +8,7 @@ reference, so there is one set per process (the ingress's ``/metrics`` and
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -46,12 +47,12 @@ ROUTERS: weakref.WeakSet = weakref.WeakSet()
 def refresh_router_gauges() -> None:
     """Set the index and event-path gauges of every router of this process (before each scrape
     of the replica's own endpoint, from its thread; each router reads its state on its own loop)."""
-    for router in list(ROUTERS):
+    for router in list(ROUTERS):  # one router's failure (its loop gone) must not stop the others' refresh
         ask = getattr(router, "ask_blocking", None)
-        if ask is not None:
-            ask(router.export_gauges)
-        else:
-            router.export_gauges()
+        try:
+            ask(router.export_gauges) if ask is not None else router.export_gauges()
+        except Exception:  # noqa: BLE001 - the scrape answers with the gauges as they were
+            logging.getLogger("prefix_serve.metrics").exception("refreshing a router's gauges failed")
 
 RECENT_DECISIONS_MAX = 4096
 """Routing decisions each router keeps for ``/debug/routing/decisions/{id}``."""

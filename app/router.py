@@ -110,6 +110,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             running = None
         if running is loop:
             self.state.first_token(route_id, now)
+        elif loop.is_closed():  # the router's loop is gone (its process is shutting down): nothing to tell
+            metrics.FALLBACKS.labels(cause="first_token_loop_closed").inc()
         else:
             loop.call_soon_threadsafe(self.state.first_token, route_id, now)
 
@@ -118,10 +120,13 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
 
         Raises:
             TimeoutError: the router loop did not answer within ``ASK_TIMEOUT_S``.
+            RuntimeError: the router loop is closed.
         """
         loop = self.loop
         if loop is None or loop is asyncio.get_running_loop():  # no owner yet, or we are it
             return fn()
+        if loop.is_closed():
+            raise RuntimeError("the request router's event loop is closed")
 
         async def call() -> T:
             return fn()
@@ -134,10 +139,13 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
 
         Raises:
             TimeoutError: the router loop did not answer within ``ASK_TIMEOUT_S``.
+            RuntimeError: the router loop is closed.
         """
         loop = self.loop
         if loop is None:
             return fn()
+        if loop.is_closed():
+            raise RuntimeError("the request router's event loop is closed")
 
         async def call() -> T:
             return fn()
@@ -279,7 +287,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         tracing.route_span(request.trace_headers, d, record.started_ns or None)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        self._own(self.state.completed, internal_request_id, time.time())
+        self._own(self.state.completed, internal_request_id, time.time(), replica_id.unique_id)
 
     # ---------------------------------------------------------------- introspection (on the owner loop)
 

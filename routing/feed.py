@@ -151,7 +151,7 @@ class ReplicaFeed(Generic[B]):
 
     def loaded(self, now: float) -> list[B]:
         """The snapshot is in the index: the feed is SYNCED at its ``(epoch, seq)``; returns the
-        buffered batches to apply now, in order (each then goes through :meth:`applied`)."""
+        buffered batches to apply now, in order (each then goes through :meth:`applied`, not live)."""
         assert self.state is FeedState.LOADING, self.state
         self.epoch, self.seq = self.snapshot_at
         self.state = FeedState.SYNCED
@@ -209,9 +209,11 @@ class ReplicaFeed(Generic[B]):
         self.seq = seq
         return [batch]
 
-    def applied(self, n_events: int, now: float, ts: float | None = None) -> float | None:
-        """A batch of ``n_events`` events went into the index at ``now``; returns its lag (``now - ts``)."""
-        self.snap_backoff = FIRST_BACKOFF_S
+    def applied(self, n_events: int, now: float, ts: float | None = None, live: bool = True) -> float | None:
+        """A batch of ``n_events`` events went into the index at ``now``; returns its lag (``now - ts``).
+        A ``live`` batch (not one kept during the snapshot) resets the snapshot backoff."""
+        if live:
+            self.snap_backoff = FIRST_BACKOFF_S
         if n_events:  # heartbeats say the relay is up, not that the engine's events flow
             self.last_event_at = now
         self.last_message_at = now

@@ -161,7 +161,7 @@ class RelayReader:
                 if socks.sub is not None:
                     poller.register(socks.sub, zmq.POLLIN)
                 if socks.snap is not None:
-                    if feed.snapshot_overdue(now):
+                    if feed.snapshot_overdue(now) and not int(socks.snap.get(zmq.EVENTS)) & zmq.POLLIN:
                         self._drop_snapshot_socket(socks)
                         feed.snapshot_failed(now, "snapshot_timeout")
                     else:
@@ -282,6 +282,7 @@ class RelayReader:
     async def _load(self, job: SnapshotJob) -> None:
         """Load a snapshot a chunk at a time, yielding to routing between chunks."""
         while not self.state.load_step(job, self.clock()):
+            self._heartbeat = time.monotonic()
             await yield_to_routing()
 
     # ------------------------------------------------------------------ live stream

@@ -46,6 +46,7 @@ answered from what the index held of it before.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
@@ -65,7 +66,8 @@ __all__ = ["Candidate", "RequestRecord", "RouteRequest", "Routed", "RouterState"
 
 _NO_STATS: Mapping[str, Any] = MappingProxyType({})
 MAX_RECORDS = 100_000
-"""Records kept at most (a request chosen but never sent or completed is dropped oldest first)."""
+"""Records kept at most: past it the oldest goes, accounting included, whether in flight or chosen but
+never sent (a request Serve never completed)."""
 RECENT_DECISIONS = 4096
 """Decision records kept for ``/debug/routing/decisions/{id}``."""
 SNAPSHOT_CHUNK_KEYS = SNAPSHOT_STEP_KEYS
@@ -267,25 +269,28 @@ class RouterState:
     def follow(self, replica_id: str, events_endpoint: str, snapshot_endpoint: str, now: float) -> bool:
         """Follow the replica's relay (again, from a snapshot, if its endpoints changed).
 
-        Returns True if something changed (a new feed).  A replica past the
-        index's ``MAX_REPLICAS`` is counted (``index_replicas_refused``) and
-        routed by load only.
+        Returns True if something changed (a new feed).  A replica the index has
+        no slot for (``MAX_REPLICAS``, spare slots of snapshot loads included)
+        gets no feed: it is counted (``index_replicas_refused``), routed by load
+        only, and tried again on the next call.
         """
         entry = self.add_replica(replica_id)
         feed = entry.feed
         if feed is not None and feed.events_endpoint == events_endpoint \
                 and feed.snapshot_endpoint == snapshot_endpoint:
             return False
-        self._generation += 1
-        entry.feed = ReplicaFeed(replica_id, events_endpoint, snapshot_endpoint, self._generation, self.stats)
-        entry.feed.since = now
         if feed is not None:  # new endpoints: the engine replica restarted; start over
             self.index.remove_replica(replica_id)
             for record in entry.queued.values():  # their predictions went with the old slot
                 record.queued = False
             entry.queued.clear()
             entry.owed_since = None
-        self.index.add_replica(replica_id)
+            entry.feed = None
+        if not self.index.add_replica(replica_id):  # no index slot free: tried again on the next follow
+            return False
+        self._generation += 1
+        entry.feed = ReplicaFeed(replica_id, events_endpoint, snapshot_endpoint, self._generation, self.stats)
+        entry.feed.since = now
         return True
 
     def follow_in_order(self, replica_id: str, epoch: int = 0) -> ReplicaFeed[KeyEventBatch]:
@@ -334,7 +339,10 @@ class RouterState:
             return 0
         return self._apply(feed, feed.on_batch(seq, batch.epoch, batch, now), now)
 
-    def _apply(self, feed: ReplicaFeed[KeyEventBatch], batches: list[KeyEventBatch], now: float) -> int:
+    def _apply(self, feed: ReplicaFeed[KeyEventBatch], batches: list[KeyEventBatch], now: float,
+               live: bool = True) -> int:
+        """Apply ``batches`` in order; ``live`` False for those kept during a snapshot (they do not
+        reset the snapshot backoff: a stream that keeps losing sync must back off)."""
         applied = 0
         for batch in batches:
             try:
@@ -343,8 +351,8 @@ class RouterState:
                 self.stats["errors_handler"] += 1
                 feed.lost_sync(now)
                 return applied
-            lag = feed.applied(len(batch.events), now, batch.ts)
-            if lag is not None:
+            lag = feed.applied(len(batch.events), now, batch.ts, live=live)
+            if lag is not None and math.isfinite(lag):
                 self.last_lag_s = lag
                 self.max_lag_s = max(self.max_lag_s, lag)
             applied += 1
@@ -356,10 +364,13 @@ class RouterState:
         feed = self._current_feed(replica_id, generation)
         if feed is None:
             return None
+        if feed.state is not FeedState.REQUESTED:
+            feed.stats["unrequested_snapshots"] += 1
+            return None
         if self.block_size is not None and snap.block_size != self.block_size:
             feed.snapshot_failed(now, "block_size")
             return None
-        if not feed.on_snapshot(snap.epoch, snap.seq):
+        if not feed.on_snapshot(snap.epoch, snap.seq):  # pragma: no cover - REQUESTED was checked
             return None
         load = self.index.begin_snapshot(replica_id, snap.keys, snap.host_keys)
         if load is None:  # pragma: no cover - the feed exists, so the index follows the replica
@@ -381,7 +392,7 @@ class RouterState:
         if not self.index.finish_snapshot(job.load):  # pragma: no cover - superseded loads are caught above
             feed.lost_sync(now)
             return True
-        self._apply(feed, feed.loaded(now), now)
+        self._apply(feed, feed.loaded(now), now, live=False)
         return True
 
     def load_snapshot(self, replica_id: str, generation: int, snap: KeySnapshot, now: float) -> bool:
@@ -475,8 +486,8 @@ class RouterState:
         record = self.requests.get(route_id)
         if record is None or signal_id == route_id:
             return
-        if record.signal_id is not None:
-            self._by_signal.pop(record.signal_id, None)
+        if record.signal_id is not None and self._by_signal.get(record.signal_id) == route_id:
+            del self._by_signal[record.signal_id]
         record.signal_id = signal_id
         self._by_signal[signal_id] = route_id
 
@@ -512,7 +523,7 @@ class RouterState:
                                               cached_tokens(len(keys), prompt_len, bs) - predicted)
         host = max(host, 0)
         predicted += host
-        record.queued_tokens = req.total_prefill_tokens - predicted
+        record.queued_tokens = max(0, req.total_prefill_tokens - predicted)
         entry.queued_prefill_tokens += record.queued_tokens
         reason = decision.reason if replica_id == decision.replica_id else "fallthrough"
         return Routed(replica_id, reason, predicted, prompt_len, host)
@@ -544,17 +555,22 @@ class RouterState:
             "index_staleness_s": self.staleness_s(uid, now),
             **(extra or {}),
         }
+        earlier = self.decisions.pop(route_id, None)  # recorded again (a re-send): one entry, the newest
+        if earlier is not None:
+            self._forget_decision(route_id, earlier)
         self.decisions[route_id] = d
         if d["request_id"]:
             self._decisions_of.setdefault(d["request_id"], []).append(route_id)
         while len(self.decisions) > RECENT_DECISIONS:
-            old_id, old = self.decisions.popitem(last=False)
-            ids = self._decisions_of.get(old["request_id"])
-            if ids is not None:
-                ids.remove(old_id)
-                if not ids:
-                    del self._decisions_of[old["request_id"]]
+            self._forget_decision(*self.decisions.popitem(last=False))
         return d
+
+    def _forget_decision(self, route_id: str, d: Mapping[str, Any]) -> None:
+        ids = self._decisions_of.get(d["request_id"])
+        if ids is not None and route_id in ids:
+            ids.remove(route_id)
+            if not ids:
+                del self._decisions_of[d["request_id"]]
 
     def decisions_for(self, request_id: str) -> list[dict[str, Any]]:
         """Decision records of the recent requests the client knows as ``request_id``, oldest first."""
@@ -576,8 +592,17 @@ class RouterState:
             record.queued_tokens = 0
         self._end_queued(record, entry, now)
 
-    def completed(self, route_id: str, now: float) -> None:
-        """The request ended (answered, failed or cancelled): its record goes."""
+    def completed(self, route_id: str, now: float, replica_id: str | None = None) -> None:
+        """The request ended (answered, failed or cancelled): its record goes.
+
+        ``replica_id``: the replica that ran it (Serve's callback says); a completion
+        from another replica than the record's last one is a rejected earlier try of
+        a request routed again under the same id, and is ignored.
+        """
+        record = self.requests.get(route_id)
+        if record is not None and replica_id is not None and record.replica_id not in (None, replica_id):
+            self.stats["stale_completions"] += 1
+            return
         self._drop(route_id, now)
 
     def _drop(self, route_id: str, now: float | None) -> None:
@@ -586,8 +611,8 @@ class RouterState:
             return
         if record.replica_id is not None:
             self._leave(record, now)
-        if record.signal_id is not None:
-            self._by_signal.pop(record.signal_id, None)
+        if record.signal_id is not None and self._by_signal.get(record.signal_id) == route_id:
+            del self._by_signal[record.signal_id]
 
     def _leave(self, record: RequestRecord, now: float | None) -> None:
         """The record's replica no longer runs it: its accounting there goes."""

@@ -436,3 +436,85 @@ def test_new_endpoints_start_the_replica_over_and_its_queued_requests_predict_no
     state.completed("r1", 2.0)
     assert held(state, prompt, "a", 2.5) == 0  # nothing predicted onto the new incarnation
     assert state.requests == {} and state.replicas["a"].queued_prefill_tokens == 0
+
+
+# ------------------------------------------------------------------ found by an attack on the state
+
+
+def test_a_replica_without_an_index_slot_gets_no_feed_and_is_followed_once_a_slot_frees():
+    from routing.index import MAX_REPLICAS
+
+    state = RouterState(BlockIndex(max_blocks=1_000_000, inline_clear_slots=0), rng=random.Random(0), block_size=BS)
+    for i in range(MAX_REPLICAS - 1):
+        state.follow(f"r{i}", f"tcp://h:{i}", f"tcp://h:{i + 1000}", 0.0)
+    feed = state.feed("r0")
+    feed.snapshot_requested(0.0, 2.0)
+    job = state.on_snapshot("r0", feed.generation, KeySnapshot(1, -1, keys_to_bytes(range(1, 3000)), BS), 0.1)
+    assert job is not None  # its load holds the last free slot
+    assert not state.follow("late", "tcp://h:9999", "tcp://h:9998", 0.2)
+    assert state.feed("late") is None and "late" in state.replicas  # routed by load only, for now
+    while not state.load_step(job, 0.3, 500):
+        pass
+    while state.clear_step():
+        pass
+    assert state.follow("late", "tcp://h:9999", "tcp://h:9998", 0.4)  # the next call follows it
+    assert "late" in state.index.replicas() and state.feed("late") is not None
+
+
+def test_a_completion_from_the_replica_of_an_earlier_try_leaves_the_retry_alone():
+    state = make_state()
+    state.choose("i-1", req(list(range(1, 65))), candidates("a", "b"), now=0.0)
+    state.routed("i-1", "b", 0.0)  # a rejected try on "a" was routed again to "b" under the same id
+    state.completed("i-1", 0.1, replica_id="a")  # the earlier try's callback, late
+    assert state.inflight("b") == 1 and queued(state, "b") == 64 and state.stats["stale_completions"] == 1
+    state.completed("i-1", 0.2, replica_id="b")
+    assert state.inflight("b") == 0 and state.requests == {}
+
+
+def test_batches_kept_during_a_snapshot_do_not_reset_its_backoff():
+    state = RouterState(BlockIndex(max_blocks=10_000), rng=random.Random(0), block_size=BS)
+    state.follow("a", "tcp://x:1", "tcp://x:2", now=0.0)
+    feed, gen = state.feed("a"), state.feed("a").generation
+    for k in range(4):  # each snapshot is followed by a gap at once: the stream keeps losing sync
+        feed.snapshot_requested(float(k), 2.0)
+        state.on_batch("a", gen, 10 * k + 1, KeyEventBatch(float(k), 1, []), float(k))  # kept
+        assert state.load_snapshot("a", gen, KeySnapshot(1, 10 * k, b"", BS), float(k))
+        state.on_batch("a", gen, 10 * k + 5, KeyEventBatch(float(k), 1, []), float(k))  # a gap
+    assert feed.snap_backoff == pytest.approx(1.6)  # 0.1 doubled four times (reset by the kept batches: 0.2)
+
+
+def test_a_decision_recorded_twice_is_listed_once_and_forgotten_with_its_record(monkeypatch):
+    import routing.router_state as rs
+
+    monkeypatch.setattr(rs, "RECENT_DECISIONS", 2)
+    state = make_state()
+    state.choose("x", req(list(range(1, 65)), request_id="cid"), candidates("a", "b"), 1.0)
+    state.record_decision("x", state.routed("x", "a", 1.0), 1.0)
+    state.record_decision("x", state.routed("x", "b", 1.1), 1.1)  # sent again
+    assert [d["replica_id"] for d in state.decisions_for("cid")] == ["b"]
+    for i in range(3):
+        state.choose(f"y{i}", req(list(range(100, 164)), request_id=f"other{i}"), candidates("a"), 2.0)
+        state.record_decision(f"y{i}", state.routed(f"y{i}", "a", 2.0), 2.0)
+    assert state.decisions_for("cid") == [] and "cid" not in state._decisions_of
+
+
+def test_a_signal_id_reused_by_a_second_record_stays_with_it():
+    state = make_state()
+    for rid in ("A", "B"):
+        state.choose(rid, req(list(range(1, 65))), candidates("a"), 0.0)
+        state.routed(rid, "a", 0.0)
+    state.signal("s", "A")
+    state.signal("s", "B")  # the same signal id now names B
+    state.completed("A", 0.1)
+    state.first_token("s", 0.2)
+    assert state.requests["B"].queued_tokens == 0 and queued(state, "a") == 0
+
+
+def test_a_snapshot_answer_nobody_asked_for_is_dropped_whatever_its_block_size():
+    state = RouterState(BlockIndex(max_blocks=10_000), rng=random.Random(0), block_size=BS)
+    state.follow("a", "tcp://x:1", "tcp://x:2", now=0.0)
+    feed = state.feed("a")
+    feed.snapshot_requested(0.0, 2.0)
+    assert state.load_snapshot("a", feed.generation, KeySnapshot(1, 0, b"", BS), 0.1)
+    assert state.on_snapshot("a", feed.generation, KeySnapshot(1, 0, b"", 32), 0.2) is None
+    assert state.synced("a") and state.stats["unrequested_snapshots"] == 1 and not state.stats["errors_block_size"]
