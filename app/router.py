@@ -63,6 +63,14 @@ def _caller_replica_id() -> str | None:
         return None
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running on this thread, or None."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     """Routes each request to the replica with the lowest score under bounded load (see module doc)."""
 
@@ -87,10 +95,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def _on_owner_loop(self) -> bool:
         """Called by Serve's callbacks: True if this is the owner loop (the first loop to call becomes
         it, and its relay reader is started); False on another thread (then post the work)."""
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
+        running = _running_loop()
         if self.loop is None and running is not None:
             self.loop = running
         if self.loop is None or running is self.loop:
@@ -104,11 +109,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         loop, now = self.loop, time.time()
         if loop is None:
             return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
+        if _running_loop() is loop:
             self.state.first_token(route_id, now)
         elif loop.is_closed():  # the router's loop is gone (its process is shutting down): nothing to tell
             metrics.FALLBACKS.labels(cause="first_token_loop_closed").inc()

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -222,7 +221,3 @@ class ReplicaFeed(Generic[B]):
         self.stats["events"] += n_events
         return None if ts is None else max(0.0, now - ts)
 
-
-def batches_in_order(batches: Sequence[tuple[int, B]]) -> list[B]:
-    """``[(seq, batch)]`` sorted by ``seq`` (helper for callers replaying kept batches)."""
-    return [b for _, b in sorted(batches, key=lambda item: item[0])]
