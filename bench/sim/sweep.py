@@ -3,14 +3,16 @@
 Examples::
 
     python -m bench.sim.sweep --trace ../shared/workloads/mooncake_synthetic_trace.jsonl \\
-        --presets 4090-qwen2.5-7b-fp16 --num-blocks 5900 --rates 0.25,0.5,1,2 --seed 1 --out docs/results/sweep
-    python -m bench.sim.sweep --workload rag --rates 1,2 --out docs/results/sweep --jobs 2
+        --presets 4090-qwen2.5-7b-fp16 --num-blocks 5900 --rates 0.25,0.5,1,2 --seed 1 \\
+        --out docs/results/2026-11-30-sim-load-sweep
+    python -m bench.sim.sweep --workload rag --rates 1,2 --out docs/results/2026-11-30-sim-load-sweep --jobs 2
     # host-memory KV tiers: every policy at each tier size and load (one figure column a size)
     python -m bench.sim.sweep --trace ../shared/workloads/mooncake_synthetic_trace.jsonl \
         --presets 4090-qwen2.5-7b-fp16 --num-blocks 5900 --kv-offloading-sizes 0,16,32,64 --rates 0.5,1,2 \
-        --seed 1 --jobs 2 --out docs/results/host_tier
+        --seed 1 --jobs 2 --out docs/results/2026-12-02-sim-host-tier-sweep
     # after a router change: re-run only ours into the same reports, then redraw
-    python -m bench.sim.sweep --workload rag --rates 1,2 --out docs/results/sweep --policies prefix_affinity --update
+    python -m bench.sim.sweep --workload rag --rates 1,2 --out docs/results/2026-11-30-sim-load-sweep \\
+        --policies prefix_affinity --update
 
 Each point is one ``python -m bench.sim`` run (same options; see
 :mod:`bench.sim.cli`), written to ``OUT/<workload>_<preset>_x<rate>.json``
