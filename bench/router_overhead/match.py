@@ -1,0 +1,59 @@
+"""Match answers: ours against Dynamo's for the same prompts (``match_agreement``), and the
+index's share of the lookup timed alone (``keys_and_match_8k_us`` of the scale runs)."""
+
+from __future__ import annotations
+
+import gc
+import time
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+from bench.router_overhead.fixtures import prompts
+from bench.router_overhead.lookup import WARMUP_LOOKUPS, percentile_us
+from bench.router_overhead.peers import dynamo_scores
+from routing.block_keys import block_keys
+from routing.index import BlockIndex
+
+MATCH_CHECK_PROMPTS = 40  # prompts per size whose match answers are compared between the two indexes
+
+
+def compare_matches(index: BlockIndex, tree: Any, core: Any, docs: Sequence[Sequence[int]], block_size: int,
+                    prompt_len: int, n: int, workers: dict[str, int]) -> tuple[int, list[dict]]:
+    """Match lengths per replica from both indexes for ``n`` prompts; ``(prompts, disagreements)``.
+
+    An independent check that the two indexes hold the same blocks: ours answers
+    from our chained keys, Dynamo's from its per-block hashes and its tree.
+    """
+    replicas = tuple(workers)
+    disagreements: list[dict] = []
+    for tokens in prompts(docs, prompt_len, n, seed=prompt_len + 7):
+        prompt = array("I", tokens)
+        ours = index.match(block_keys(prompt, block_size), replicas, 0.0)
+        theirs = dynamo_scores(tree, core.compute_block_hash_for_seq(prompt, block_size), workers)
+        if ours != theirs:
+            disagreements.append({rid: (ours[rid], theirs[rid]) for rid in replicas if ours[rid] != theirs[rid]})
+    return n, disagreements
+
+
+def bench_match(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: int, prompt_len: int, n: int,
+                replicas: Sequence[str]) -> dict:
+    """The index's share of the lookup alone: ``block_keys`` + ``BlockIndex.match`` over ``replicas``.
+
+    Same prompts as ``bench_lookup``; no candidates, no scoring.
+    """
+    replicas = tuple(replicas)
+    samples: list[int] = []
+    gc.collect()
+    for i, tokens in enumerate(prompts(docs, prompt_len, n + WARMUP_LOOKUPS, seed=prompt_len)):
+        prompt = array("I", tokens)
+        keys = matched = None
+        t0 = time.perf_counter_ns()
+        keys = block_keys(prompt, block_size)
+        matched = index.match(keys, replicas, 0.0)
+        t1 = time.perf_counter_ns()
+        if i >= WARMUP_LOOKUPS:
+            samples.append(t1 - t0)
+    del matched
+    samples.sort()
+    return {"p50": percentile_us(samples, 50), "p99": percentile_us(samples, 99)}
