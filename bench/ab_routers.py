@@ -1,4 +1,4 @@
-"""Round-robin request router for the A/B harness (``bench/ab.py``).
+"""Round-robin request router for the A/B harness (``bench/ab/``).
 
 Serve has no round-robin router built in. :class:`RoundRobinRouter` sends the
 n-th routed request to the n-th replica (sorted by replica id), cyclically.

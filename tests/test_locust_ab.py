@@ -1,4 +1,4 @@
-"""Pure tests of the A/B harness (``bench/ab.py``) and its baseline routers.
+"""Pure tests of the A/B harness (``bench/ab/``) and its baseline routers.
 
 No engines: the config each router is deployed with, the round-robin order, the
 text Ray's router is given, and the summary computed from Locust's CSV, the
@@ -172,7 +172,9 @@ def test_counter_sums_parse_prometheus_text():
         "# TYPE prefix_serve_prompt_tokens counter\n"
         "prefix_serve_prompt_tokens_total 400.0\n"
     )
-    got = ab._sum_samples(text, {ab.VLLM_HITS, ab.INGRESS_PROMPT, ab.INGRESS_CACHED})
+    from bench.ab.measure import _sum_samples
+
+    got = _sum_samples(text, {ab.VLLM_HITS, ab.INGRESS_PROMPT, ab.INGRESS_CACHED})
     assert got == {ab.VLLM_HITS: 100.0, ab.INGRESS_PROMPT: 400.0, ab.INGRESS_CACHED: 0.0}
 
 
@@ -184,6 +186,6 @@ def test_cli_rejects_unknown_routers():
 
 def test_locust_gets_the_think_time_unless_given():
     assert ab.parse_args([]).think_time == 0.8
-    assert ab._arg_value(["--think-time=0.5"], "--think-time") == "0.5"
-    assert ab._arg_value(["--think-time", "0"], "--think-time") == "0"
-    assert ab._arg_value(["--sp-zipf=1"], "--think-time") is None
+    assert ab.arg_value(["--think-time=0.5"], "--think-time") == "0.5"
+    assert ab.arg_value(["--think-time", "0"], "--think-time") == "0"
+    assert ab.arg_value(["--sp-zipf=1"], "--think-time") is None
