@@ -189,3 +189,15 @@ def test_optimal_pooled_bound_beats_lru_where_lru_thrashes(trace):
 def _write(path, rows):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
+
+
+def test_generators_take_a_shape():
+    from dataclasses import replace
+
+    from locustfiles.shapes import RTX4090_X8
+
+    shape = replace(RTX4090_X8.rag, documents=3, document_len=100, output_tokens=9)
+    wl = generate("rag", 200, seed=0, shape=shape)
+    assert {r.session for r in wl.requests} <= {0, 1, 2}
+    assert all(r.segments[1][1] == 100 and r.output_len == 9 for r in wl.requests)
+    assert wl.params["documents"] == 3

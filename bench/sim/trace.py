@@ -1,18 +1,13 @@
-"""The Mooncake trace format (FAST'25 trace release), read into a :class:`Workload`.
+"""A Mooncake-format trace (FAST'25 trace release) as a simulator :class:`Workload`.
 
-One JSON object a line::
-
-    {"timestamp": 0, "input_length": 40160, "output_length": 6, "hash_ids": [0, 1, ...]}
-
-* ``timestamp``: arrival in milliseconds from the start;
-* ``input_length`` / ``output_length``: prompt and completion tokens;
-* ``hash_ids``: one id per 512-token block of the prompt; equal ids at the same
-  position are a shared prefix.
-
-Tokens are synthesized per hash id (``segment_tokens``: the same id always
-gives the same 512 tokens) and the last block is cut to ``input_length``.  Each
-request's output tokens are its own segment (the trace does not say whether a
-later turn contains them, so they never match another prompt).
+The records come from :func:`locustfiles.shapes.read_mooncake` (the format and
+its checks are written there, once for Locust and the simulator).  Each request's
+prompt is one segment per hash id (:meth:`~locustfiles.shapes.MooncakeRecord.segments`:
+512 tokens each, the last cut to ``input_length``), so equal hash ids at equal
+positions are shared prefixes, and tokens are synthesized per hash id
+(``segment_tokens``: the same id always gives the same tokens).  Each request's
+output tokens are its own segment (the trace does not say whether a later turn
+contains them, so they never match another prompt).
 
 Requests whose ``input_length + output_length`` exceeds the engines'
 ``max_model_len`` are rejected by vLLM; they are dropped here and counted in
@@ -21,16 +16,13 @@ Requests whose ``input_length + output_length`` exceeds the engines'
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from bench.sim.workload import SimRequest, Workload, renumber
+from locustfiles.shapes import MOONCAKE_BLOCK_TOKENS, read_mooncake
 
 __all__ = ["MOONCAKE_BLOCK_TOKENS", "TRACE_NAMESPACE", "load_mooncake"]
-
-MOONCAKE_BLOCK_TOKENS = 512
-"""Tokens per ``hash_ids`` entry in the Mooncake trace."""
 
 TRACE_NAMESPACE = 1
 """Token namespace of trace segments (generated workloads use others)."""
@@ -60,41 +52,20 @@ def load_mooncake(
     """
     reqs: list[SimRequest] = []
     rejected = 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if limit is not None and len(reqs) + rejected >= limit:
-                break
-            try:
-                rec = json.loads(line)
-                ts = float(rec["timestamp"]) / 1000.0
-                n_in = int(rec["input_length"])
-                n_out = max(1, int(rec["output_length"]))
-                ids = [int(h) for h in rec["hash_ids"]]
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{lineno}: not a Mooncake trace record: {exc}") from exc
-            if n_in <= 0 or len(ids) != -(-n_in // block_tokens):
-                raise ValueError(
-                    f"{path}:{lineno}: {len(ids)} hash_ids do not cover input_length {n_in} "
-                    f"at {block_tokens} tokens per id"
-                )
-            if max_model_len is not None and n_in + n_out > max_model_len:
-                rejected += 1
-                continue
-            segs = [(h, block_tokens) for h in ids]
-            last = n_in - block_tokens * (len(ids) - 1)
-            segs[-1] = (ids[-1], last)
-            reqs.append(
-                SimRequest(
-                    rid=0,
-                    arrival_s=ts,
-                    segments=tuple(segs),
-                    output_segment=_OUTPUT_SEGMENT_BASE + lineno,
-                    prompt_len=n_in,
-                    output_len=n_out,
-                )
+    for rec in read_mooncake(path, limit=limit, block_tokens=block_tokens):
+        if max_model_len is not None and rec.input_length + rec.output_tokens > max_model_len:
+            rejected += 1
+            continue
+        reqs.append(
+            SimRequest(
+                rid=0,
+                arrival_s=rec.timestamp_ms / 1000.0,
+                segments=rec.segments(block_tokens, block_tokens),
+                output_segment=_OUTPUT_SEGMENT_BASE + rec.line,
+                prompt_len=rec.input_length,
+                output_len=rec.output_tokens,
             )
+        )
     return Workload(
         name=Path(path).stem,
         requests=renumber(reqs),
