@@ -2,7 +2,8 @@
 
 Models production traffic as recorded: every trace row (``timestamp`` ms,
 ``input_length``, ``output_length``, ``hash_ids`` -- one id per 512-token block,
-equal ids meaning a shared prefix block) becomes a ``POST /v1/completions`` with a
+equal ids meaning a shared prefix block; read by ``shapes.read_mooncake``, the
+simulator's reader too) becomes a ``POST /v1/completions`` with a
 token-id prompt built from its hash ids: each hash id always gives the same
 ``--trace-tokens-per-hash-id`` tokens (for a seed), the last block cut to the
 row's length. The rows are handed out in timestamp order to the Locust users of
@@ -50,7 +51,7 @@ class _Replay:
 
     def __init__(self, environment):
         cfg = config_from_options(environment, W.ReplayConfig, W.REPLAY_OPTIONS)
-        self.entries = W.load_trace(cfg.trace_file or W.DEFAULT_TRACE)
+        self.entries = cfg.records()
         self.synth = W.MooncakeSynth(seed=option(environment, "seed"), tokens_per_hash_id=cfg.tokens_per_hash_id)
         self.schedule = W.TraceSchedule(self.entries, time_scale=cfg.time_scale, loop=cfg.loop,
                                         start_row=cfg.start_row)

@@ -1,7 +1,7 @@
 """Multi-tenant: tenants send the same app prompts but never share cache (a cache_salt each).
 
 Models a platform serving several tenants with one app: every request carries its
-tenant's ``cache_salt`` (``tenant-000``, ``tenant-001``, ...), so identical prompt
+tenant's ``cache_salt`` (``tenant-0``, ``tenant-1``, ...; ``shapes.tenant_salt``), so identical prompt
 tokens of two tenants are different cache entries. A request is
 ``POST /v1/completions`` with a token-id prompt (one of ``--tenant-groups`` app
 prompts, the same ids for every tenant, + a fresh question); the tenant is drawn

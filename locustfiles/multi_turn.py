@@ -42,8 +42,8 @@ class MultiTurnUser(LLMUser):
         if info is None:
             return
         if self.conversation is None or self.conversation.finished():
-            self.conversation = self.workload.new_conversation(
-                self.rng, info.max_model_len, self.max_tokens(self.workload.cfg.max_tokens))
+            self.conversation = self.workload.new_conversation(self.rng, info.max_model_len,
+                                                               self.max_tokens(0) or None)
         conv = self.conversation
         res = self.send(conv.next_request(), override_max_tokens=False)
         if res is not None and res.ok:

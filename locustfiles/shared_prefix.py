@@ -10,7 +10,7 @@ prompt (``--sp-system-tokens``) + ``--sp-question-tokens`` fresh tokens.
 Its options (``workloads.SharedPrefix.options``) are listed below; the common ones
 are in ``locustfiles/_common.py`` (``--max-tokens`` 0 keeps the workload's 8). The
 default working set is sized against the default CPU replicas' KV cache
-(``workloads.SharedPrefixConfig.groups``); on a real cluster, size it to your
+(``shapes.SharedPrefixConfig.groups``); on a real cluster, size it to your
 traffic or to your replicas' KV cache (vLLM logs "KV cache size: N tokens").
 """
 

@@ -1,34 +1,39 @@
-"""Workload generators of the load experiments: pure, seeded, free of Locust and I/O.
+"""Locust's side of the workloads: options, and the shapes of ``shapes.py`` as HTTP requests.
 
-Every generator is a deterministic function of a seed and a caller-owned
+The workload *shapes* (their parameters, how requests share prefixes, the
+Mooncake reader) are written once, in ``locustfiles/shapes.py``, for Locust and
+the simulator (``bench/sim/generators.py``). This module turns them into OpenAI
+requests: pure, seeded, free of Locust and of I/O beyond the trace file. Every
+request is a deterministic function of a seed and a caller-owned
 ``random.Random`` (one per simulated user), so a run with the same seed sends the
-same prompts in the same per-user order whatever router serves them. The
-Locust users in this folder only turn these requests into HTTP calls.
+same prompts in the same per-user order whatever router serves them. The Locust
+users in this folder only turn these requests into HTTP calls.
 
-Workloads (what each models):
+Workloads (what each models; the shape's docstring has its parameters):
 
-* :class:`SharedPrefix` -- an app with a few long system prompts (``groups``)
-  whose popularity is skewed (Zipf); every request is one system prompt plus a
-  short fresh question. Token-id prompts on ``/v1/completions``.
-* :class:`MultiTurn` -- chat users, each keeping and growing its own history
-  (its own questions and the model's answers) on ``/v1/chat/completions``.
-* :class:`Rag` -- long documents, each asked many different questions; the
-  document is the shared prefix. Text on ``/v1/chat/completions``.
-* :class:`MultiTenant` -- tenants that send the same app prompts but must
-  never share cache: one ``cache_salt`` per tenant. Token ids on ``/v1/completions``.
+* :class:`SharedPrefix` (``shapes.SharedPrefixConfig``) -- an app with a few long
+  system prompts (``groups``) whose popularity is skewed (Zipf); every request is
+  one system prompt plus a short fresh question. Token-id prompts on ``/v1/completions``.
+* :class:`MultiTurn` (``shapes.MultiTurnConfig``) -- chat users, each keeping and
+  growing its own history (its own questions and the model's answers) on
+  ``/v1/chat/completions``.
+* :class:`Rag` (``shapes.RagConfig``) -- long documents, each asked many different
+  questions; the document is the shared prefix. Text on ``/v1/chat/completions``.
+* :class:`MultiTenant` (``shapes.MultiTenantConfig``) -- tenants that send the same
+  app prompts but must never share cache: one ``cache_salt`` per tenant. Token ids
+  on ``/v1/completions``.
 * :class:`MooncakeSynth` + :class:`TraceSchedule` -- replay of a Mooncake-format
-  trace (``timestamp``, ``input_length``, ``output_length``, ``hash_ids``):
-  token ids synthesized per hash id, arrivals by timestamp.
+  trace (``shapes.read_mooncake``): token ids synthesized per hash id, arrivals by
+  timestamp.
 
-Token ids are drawn from ``[10, 1000)`` by default: valid in the tiny default
-model's ~1k vocabulary and ordinary (non-special) tokens in any large vocabulary.
+Lengths of the text workloads (chat, RAG) are words here (``*_len`` fields);
+token-id prompts draw their ids from ``[10, 1000)`` by default: valid in the tiny
+default model's ~1k vocabulary and ordinary (non-special) tokens in any large
+vocabulary.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
-import math
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -36,11 +41,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+try:
+    from locustfiles import shapes
+except ImportError:  # this folder copied alone to a load-generator host
+    import shapes  # type: ignore[no-redef, import-not-found]
+
+# The shapes' configs, as the configs of the workloads below (``SharedPrefix.config_class``, ...).
+SharedPrefixConfig = shapes.SharedPrefixConfig
+MultiTurnConfig = shapes.MultiTurnConfig
+RagConfig = shapes.RagConfig
+MultiTenantConfig = shapes.MultiTenantConfig
+
 DEFAULT_TOKEN_RANGE: tuple[int, int] = (10, 1000)
 """Token ids of synthesized prompts, ``[low, high)``."""
-
-MOONCAKE_BLOCK_TOKENS = 512
-"""Tokens one Mooncake ``hash_id`` stands for in the original trace."""
 
 # Common English words that the tiny default model's tokenizer encodes in one or
 # two tokens (about 1.4 tokens a word there, about 1.3 with large vocabularies),
@@ -100,15 +113,6 @@ def words(rng: random.Random, n: int) -> str:
         out.append(" ".join(sentence) + ".")
         left -= k
     return " ".join(out)
-
-
-def zipf_weights(n: int, s: float) -> list[float]:
-    """Normalized Zipf popularity of ``n`` items: item ``k`` (0-based) has weight ``1/(k+1)**s``."""
-    if n < 1:
-        raise ValueError("need at least one item")
-    raw = [1.0 / (k + 1) ** s for k in range(n)]
-    total = sum(raw)
-    return [w / total for w in raw]
 
 
 def parse_range(value: str | int | Sequence[int]) -> tuple[int, int]:
@@ -253,18 +257,6 @@ COMMON: dict[str, Option] = {o.dest: o for o in COMMON_OPTIONS}
 """:data:`COMMON_OPTIONS` by :attr:`Option.dest` (``COMMON["seed"].env_var == "LOCUST_SEED"``)."""
 
 
-class _Popularity:
-    """Draws item indices with Zipf-skewed popularity (index 0 is the most popular)."""
-
-    def __init__(self, n: int, s: float):
-        self.n = n
-        self.weights = zipf_weights(n, s)
-        self._cum = list(itertools.accumulate(self.weights))
-
-    def draw(self, rng: random.Random) -> int:
-        return rng.choices(range(self.n), cum_weights=self._cum)[0]
-
-
 @dataclass
 class LLMRequest:
     """One request to send: an OpenAI route and its body (without ``model``/``stream``).
@@ -286,27 +278,8 @@ CHAT = "/v1/chat/completions"
 # ------------------------------------------------------------------- shared system prompts
 
 
-@dataclass(frozen=True)
-class SharedPrefixConfig:
-    groups: int = 32
-    """System prompts. The default working set (32 x 3,072 = 98,304 tokens) is 1.5
-    times one default CPU replica's KV cache (2,048 blocks x 32 = 65,536 tokens) and
-    0.75 times two replicas': it fits the cluster only if each replica keeps to its
-    share of the groups."""
-    system_tokens: int = 3072
-    """Long (agent/tool-style) prompts: on the tiny CPU model a miss then costs a
-    prefill that is large against the fixed per-request overhead of the stack."""
-    question_tokens: tuple[int, int] = (16, 64)
-    zipf_s: float = 1.0
-    max_tokens: int = 8
-    token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE
-
-    def max_prompt_tokens(self) -> int:
-        return self.system_tokens + self.question_tokens[1]
-
-
 class SharedPrefix:
-    """Shared system prompts in groups of skewed popularity (see module doc)."""
+    """Shared system prompts (``shapes.SharedPrefixConfig``) as token-id completions."""
 
     name = "shared_prefix"
     config_class = SharedPrefixConfig
@@ -319,97 +292,101 @@ class SharedPrefix:
         ("--sp-zipf", "SP_ZIPF", "zipf_s", "Zipf exponent of group popularity (0 = uniform)"),
     )
 
-    def __init__(self, cfg: SharedPrefixConfig = SharedPrefixConfig(), seed: int = 0):
+    def __init__(self, cfg: SharedPrefixConfig = shapes.CPU_TINY.shared_prefix, seed: int = 0):
         self.cfg = cfg
-        self.systems = [token_ids(make_rng(seed, "shared_prefix", "system", g), cfg.system_tokens, cfg.token_range)
-                        for g in range(cfg.groups)]
-        self.popularity = _Popularity(cfg.groups, cfg.zipf_s)
+        self.prefixes = cfg.prefixes(shapes.PyDraws(make_rng(seed, "shared_prefix", "prefixes")))
+        self.systems = [token_ids(make_rng(seed, "shared_prefix", "system", g), n)
+                        for g, n in enumerate(self.prefixes.lengths)]
 
     def sample(self, rng: random.Random) -> LLMRequest:
-        g = self.popularity.draw(rng)
-        question = token_ids(rng, rng.randint(*self.cfg.question_tokens), self.cfg.token_range)
-        return LLMRequest(COMPLETIONS, {"prompt": self.systems[g] + question, "max_tokens": self.cfg.max_tokens},
+        drawn = self.cfg.sample(shapes.PyDraws(rng), self.prefixes, 1)
+        g = drawn.prefix[0]
+        prompt = self.systems[g] + token_ids(rng, drawn.fresh[0])
+        return LLMRequest(COMPLETIONS, {"prompt": prompt, "max_tokens": drawn.output_tokens[0]},
                           tag=f"group-{g}", meta={"group": g})
 
 
 # --------------------------------------------------------------------------- multi-turn chat
 
 
-@dataclass(frozen=True)
-class MultiTurnConfig:
-    system_words: int = 120
-    user_words: tuple[int, int] = (12, 40)
-    turns: tuple[int, int] = (3, 8)
-    """Turns of one conversation; a new one starts after it (or when the context is full)."""
-    max_tokens: int = 24
-
-
 CHAT_SYSTEM_PREAMBLE = "You are a helpful assistant of the prefix-serve load test. "
 
 
 class MultiTurn:
-    """Chat users that keep and grow their own history (see module doc)."""
+    """Chat users that keep and grow their own history (``shapes.MultiTurnConfig``; see module doc)."""
 
     name = "multi_turn"
     config_class = MultiTurnConfig
     options = config_options(
         MultiTurnConfig(),
-        ("--chat-system-words", "CHAT_SYSTEM_WORDS", "system_words", "words of the shared system prompt"),
-        ("--chat-user-words", "CHAT_USER_WORDS", "user_words", "words of each user message, LOW-HIGH"),
+        ("--chat-system-words", "CHAT_SYSTEM_WORDS", "system_len", "words of the shared system prompt"),
+        ("--chat-user-words", "CHAT_USER_WORDS", "user_len", "words of each user message, LOW-HIGH"),
         ("--chat-turns", "CHAT_TURNS", "turns", "turns of a conversation, LOW-HIGH"),
     )
 
-    def __init__(self, cfg: MultiTurnConfig = MultiTurnConfig(), seed: int = 0):
+    def __init__(self, cfg: MultiTurnConfig = shapes.CPU_TINY.multi_turn, seed: int = 0):
         self.cfg = cfg
-        self.system = CHAT_SYSTEM_PREAMBLE + words(make_rng(seed, "multi_turn", "system"), cfg.system_words)
+        lengths = cfg.system_lengths(shapes.PyDraws(make_rng(seed, "multi_turn", "lengths")))
+        self.systems = [CHAT_SYSTEM_PREAMBLE + words(make_rng(seed, "multi_turn", "system", i), n)
+                        for i, n in enumerate(lengths)]
 
     def new_conversation(self, rng: random.Random, max_model_len: int | None = None,
                          max_tokens: int | None = None) -> Conversation:
-        """A new conversation; ``max_model_len`` bounds its growth (``None``: turns only)."""
-        return Conversation(self, rng, rng.randint(*self.cfg.turns), max_model_len, max_tokens or self.cfg.max_tokens)
+        """A new conversation; ``max_model_len`` bounds its growth (``None``: turns only);
+        ``max_tokens`` replaces the shape's ``output_tokens`` (``None``: the shape's)."""
+        system, turns = self.cfg.session(shapes.PyDraws(rng))
+        return Conversation(self, rng, system, turns, max_model_len, max_tokens)
 
 
 class Conversation:
     """One simulated user's chat: the history it sends and grows turn by turn."""
 
-    def __init__(self, workload: MultiTurn, rng: random.Random, turns: int, max_model_len: int | None,
-                 max_tokens: int):
+    def __init__(self, workload: MultiTurn, rng: random.Random, system: int, turns: int,
+                 max_model_len: int | None, max_tokens: int | None):
         self.workload = workload
-        self.max_tokens = max_tokens
         self.rng = rng
+        self.system = system
         self.turns_left = turns
         self.max_model_len = max_model_len
-        self.messages: list[dict[str, str]] = [{"role": "system", "content": workload.system}]
+        self.max_tokens = max_tokens
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": workload.systems[system]}]
         self.turn = 0
         self.last_prompt_tokens: int | None = None
+        self.last_max_tokens = 0
         self.last_reply_tokens = 0
         self.conversation_id = rng.getrandbits(32)
 
     def next_request(self) -> LLMRequest:
         """The next user turn: history plus a new question (appended to the history)."""
-        cfg = self.workload.cfg
-        self.messages.append({"role": "user", "content": words(self.rng, self.rng.randint(*cfg.user_words))})
+        user_len, output_tokens = self.workload.cfg.turn(shapes.PyDraws(self.rng), self.turn)
+        self.messages.append({"role": "user", "content": words(self.rng, user_len)})
         self.turn += 1
         self.turns_left -= 1
-        return LLMRequest(CHAT, {"messages": [dict(m) for m in self.messages], "max_tokens": self.max_tokens},
-                          tag=f"conv-{self.conversation_id:08x}-turn-{self.turn}", meta={"turn": self.turn})
+        self.last_max_tokens = self.max_tokens or output_tokens
+        return LLMRequest(CHAT, {"messages": [dict(m) for m in self.messages], "max_tokens": self.last_max_tokens},
+                          tag=f"conv-{self.conversation_id:08x}-turn-{self.turn}",
+                          meta={"turn": self.turn, "system": self.system})
 
     def record_reply(self, text: str, prompt_tokens: int | None = None, completion_tokens: int | None = None) -> None:
         """Append the assistant's answer to the history (what a chat client does)."""
         self.messages.append({"role": "assistant", "content": text})
         if prompt_tokens is not None:
             self.last_prompt_tokens = prompt_tokens
-        self.last_reply_tokens = completion_tokens or self.max_tokens
+        self.last_reply_tokens = completion_tokens or self.last_max_tokens
 
     def abandon_turn(self) -> None:
         """Drop the last user message (its request failed), so the history stays alternating."""
         if self.messages and self.messages[-1]["role"] == "user":
             self.messages.pop()
 
+    def max_output_tokens(self) -> int:
+        """The most tokens a turn may generate."""
+        return self.max_tokens or shapes.longest(self.workload.cfg.output_tokens)
+
     def estimated_next_prompt_tokens(self) -> int:
         """An upper estimate of the next turn's prompt tokens."""
-        cfg = self.workload.cfg
-        growth = self.last_reply_tokens + int(cfg.user_words[1] * TOKENS_PER_WORD_BOUND) + 16
+        user_words = shapes.longest(self.workload.cfg.user_length(self.turn))
+        growth = self.last_reply_tokens + int(user_words * TOKENS_PER_WORD_BOUND) + 16
         if self.last_prompt_tokens is not None:
             return self.last_prompt_tokens + growth
         chars = sum(len(m["content"]) for m in self.messages)
@@ -420,85 +397,56 @@ class Conversation:
         if self.turns_left <= 0:
             return True
         if self.max_model_len is not None:
-            return self.estimated_next_prompt_tokens() + self.max_tokens > self.max_model_len
+            return self.estimated_next_prompt_tokens() + self.max_output_tokens() > self.max_model_len
         return False
 
 
 # ------------------------------------------------------------------------------------ RAG
 
 
-@dataclass(frozen=True)
-class RagConfig:
-    documents: int = 16
-    document_words: int = 400
-    question_words: tuple[int, int] = (8, 24)
-    zipf_s: float = 0.6
-    max_tokens: int = 16
-
-
 RAG_SYSTEM = "Answer the question with the document below. Quote the document where you can."
+"""The instruction of every RAG request (13 words; ``RagConfig.instruction_len`` longer adds words)."""
 
 
 class Rag:
-    """Long documents x many questions: the document is the shared prefix."""
+    """Long documents x many questions (``shapes.RagConfig``): the document is the shared prefix."""
 
     name = "rag"
     config_class = RagConfig
     options = config_options(
         RagConfig(),
         ("--rag-documents", "RAG_DOCUMENTS", "documents", "documents in the corpus"),
-        ("--rag-document-words", "RAG_DOCUMENT_WORDS", "document_words",
+        ("--rag-document-words", "RAG_DOCUMENT_WORDS", "document_len",
          "words of each document (400: about 560 tokens on the tiny model, 520 on large vocabularies)"),
-        ("--rag-question-words", "RAG_QUESTION_WORDS", "question_words", "words of each question, LOW-HIGH"),
+        ("--rag-question-words", "RAG_QUESTION_WORDS", "question_len", "words of each question, LOW-HIGH"),
         ("--rag-zipf", "RAG_ZIPF", "zipf_s", "Zipf exponent of document popularity (0 = uniform)"),
     )
 
-    def __init__(self, cfg: RagConfig = RagConfig(), seed: int = 0):
+    def __init__(self, cfg: RagConfig = shapes.CPU_TINY.rag, seed: int = 0):
         self.cfg = cfg
-        self.documents = [f"Document {d}. " + words(make_rng(seed, "rag", "doc", d), cfg.document_words)
-                          for d in range(cfg.documents)]
-        self.popularity = _Popularity(cfg.documents, cfg.zipf_s)
+        extra = cfg.instruction_len - len(RAG_SYSTEM.split())
+        self.instruction = RAG_SYSTEM + (" " + words(make_rng(seed, "rag", "instruction"), extra) if extra > 0 else "")
+        self.prefixes = cfg.prefixes(shapes.PyDraws(make_rng(seed, "rag", "prefixes")))
+        self.documents = [f"Document {d}. " + words(make_rng(seed, "rag", "doc", d), n)
+                          for d, n in enumerate(self.prefixes.lengths)]
 
     def sample(self, rng: random.Random) -> LLMRequest:
-        d = self.popularity.draw(rng)
-        question = words(rng, rng.randint(*self.cfg.question_words)).rstrip(".") + "?"
+        drawn = self.cfg.sample(shapes.PyDraws(rng), self.prefixes, 1)
+        d = drawn.prefix[0]
+        question = words(rng, drawn.fresh[0]).rstrip(".") + "?"
         messages = [
-            {"role": "system", "content": RAG_SYSTEM},
+            {"role": "system", "content": self.instruction},
             {"role": "user", "content": f"{self.documents[d]}\n\nQuestion: {question}"},
         ]
-        return LLMRequest(CHAT, {"messages": messages, "max_tokens": self.cfg.max_tokens}, tag=f"doc-{d}",
+        return LLMRequest(CHAT, {"messages": messages, "max_tokens": drawn.output_tokens[0]}, tag=f"doc-{d}",
                           meta={"doc": d})
-
-    def max_prompt_words(self) -> int:
-        return len(RAG_SYSTEM.split()) + self.cfg.document_words + 2 + self.cfg.question_words[1] + 2
 
 
 # ---------------------------------------------------------------------------- multi-tenant
 
 
-@dataclass(frozen=True)
-class MultiTenantConfig:
-    tenants: int = 4
-    zipf_s: float = 0.8
-    """Tenant popularity skew (tenant 0 sends the most)."""
-    groups: int = 4
-    """App prompts, the same token ids for every tenant; the salt keeps them apart."""
-    system_tokens: int = 768
-    question_tokens: tuple[int, int] = (16, 64)
-    max_tokens: int = 16
-    token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE
-
-    def max_prompt_tokens(self) -> int:
-        return self.system_tokens + self.question_tokens[1]
-
-
-def tenant_salt(tenant: int) -> str:
-    """The ``cache_salt`` of a tenant (vLLM's rules: non-empty, <= 128 chars, no ``@ / \\``)."""
-    return f"tenant-{tenant:03d}"
-
-
 class MultiTenant:
-    """Tenants sending the same app prompts, isolated by a ``cache_salt`` each."""
+    """Tenants sending the same app prompts, isolated by a ``cache_salt`` each (``shapes.MultiTenantConfig``)."""
 
     name = "multi_tenant"
     config_class = MultiTenantConfig
@@ -512,62 +460,33 @@ class MultiTenant:
          "fresh tokens after the app prompt, LOW-HIGH"),
     )
 
-    def __init__(self, cfg: MultiTenantConfig = MultiTenantConfig(), seed: int = 0):
+    def __init__(self, cfg: MultiTenantConfig = shapes.CPU_TINY.multi_tenant, seed: int = 0):
         self.cfg = cfg
-        self.prompts = [token_ids(make_rng(seed, "multi_tenant", "prompt", g), cfg.system_tokens, cfg.token_range)
-                        for g in range(cfg.groups)]
-        self.tenant_popularity = _Popularity(cfg.tenants, cfg.zipf_s)
+        lengths = cfg.prompt_lengths(shapes.PyDraws(make_rng(seed, "multi_tenant", "lengths")))
+        self.prompts = [token_ids(make_rng(seed, "multi_tenant", "prompt", g), n) for g, n in enumerate(lengths)]
 
     def sample(self, rng: random.Random) -> LLMRequest:
-        t = self.tenant_popularity.draw(rng)
-        g = rng.randrange(self.cfg.groups)
-        question = token_ids(rng, rng.randint(*self.cfg.question_tokens), self.cfg.token_range)
-        body = {"prompt": self.prompts[g] + question, "max_tokens": self.cfg.max_tokens, "cache_salt": tenant_salt(t)}
-        return LLMRequest(COMPLETIONS, body, tag=f"{tenant_salt(t)}-prompt-{g}", meta={"tenant": t, "group": g})
+        drawn = self.cfg.sample(shapes.PyDraws(rng), 1)
+        t, g = drawn.tenant[0], drawn.prompt[0]
+        question = token_ids(rng, drawn.question_tokens[0])
+        body = {"prompt": self.prompts[g] + question, "max_tokens": drawn.output_tokens[0],
+                "cache_salt": shapes.tenant_salt(t)}
+        return LLMRequest(COMPLETIONS, body, tag=f"{shapes.tenant_salt(t)}-prompt-{g}", meta={"tenant": t, "group": g})
 
 
 # ------------------------------------------------------------------------- Mooncake replay
 
 
-@dataclass(frozen=True)
-class TraceEntry:
-    """One row of a Mooncake-format trace."""
-
-    timestamp_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def load_trace(path: str | Path, limit: int | None = None) -> list[TraceEntry]:
-    """Read a Mooncake JSON-lines trace (``timestamp`` in ms, ``input_length``,
-    ``output_length``, ``hash_ids``), sorted by timestamp; ``limit`` keeps the first rows."""
-    entries: list[TraceEntry] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            row = json.loads(line)
-            entries.append(TraceEntry(float(row["timestamp"]), int(row["input_length"]),
-                                      int(row["output_length"]), tuple(int(h) for h in row["hash_ids"])))
-            if limit is not None and len(entries) >= limit:
-                break
-    if not entries:
-        raise ValueError(f"trace {path} has no rows")
-    entries.sort(key=lambda e: e.timestamp_ms)
-    return entries
-
-
 class MooncakeSynth:
-    """Token ids for trace rows: each hash id always gives the same ``tokens_per_hash_id`` tokens.
+    """Token ids for trace records: each hash id always gives the same ``tokens_per_hash_id`` tokens.
 
     ``tokens_per_hash_id`` is 512 in the original trace (faithful default); smaller
     values scale every prompt down by ``tokens_per_hash_id / 512`` (e.g. 32 on the tiny
-    CPU model: one hash id per 32-token KV block) while keeping its block structure.
+    CPU model: one hash id per 32-token KV block) while keeping its block structure
+    (``shapes.MooncakeRecord.segments``).
     """
 
-    def __init__(self, seed: int = 0, tokens_per_hash_id: int = MOONCAKE_BLOCK_TOKENS,
+    def __init__(self, seed: int = 0, tokens_per_hash_id: int = shapes.MOONCAKE_BLOCK_TOKENS,
                  token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE, cache_blocks: int = 1024):
         if tokens_per_hash_id < 1:
             raise ValueError("tokens_per_hash_id must be >= 1")
@@ -590,37 +509,31 @@ class MooncakeSynth:
             self._cache.move_to_end(hash_id)
         return toks
 
-    def prompt_length(self, entry: TraceEntry) -> int:
-        """The row's input length scaled to ``tokens_per_hash_id`` (the last block cut)."""
-        scaled = math.ceil(entry.input_length * self.tokens_per_hash_id / MOONCAKE_BLOCK_TOKENS)
-        return max(1, min(scaled, len(entry.hash_ids) * self.tokens_per_hash_id))
+    def prompt_length(self, record: shapes.MooncakeRecord) -> int:
+        """The record's input length scaled to ``tokens_per_hash_id`` (the last block cut)."""
+        return sum(n for _, n in record.segments(self.tokens_per_hash_id))
 
-    def prompt(self, entry: TraceEntry, max_prompt_tokens: int | None = None) -> list[int]:
-        """The row's prompt, truncated to ``max_prompt_tokens`` (keeps the leading blocks)."""
-        n = self.prompt_length(entry)
-        if max_prompt_tokens is not None:
-            n = max(1, min(n, max_prompt_tokens))
+    def prompt(self, record: shapes.MooncakeRecord, max_prompt_tokens: int | None = None) -> list[int]:
+        """The record's prompt, truncated to ``max_prompt_tokens`` (keeps the leading blocks)."""
+        limit = None if max_prompt_tokens is None else max(1, max_prompt_tokens)
         out: list[int] = []
-        for h in entry.hash_ids:
-            if len(out) >= n:
+        for h, n in record.segments(self.tokens_per_hash_id):
+            if limit is not None and len(out) >= limit:
                 break
-            out.extend(self.block(h))
-        if len(out) < n:  # a row whose input is longer than its hash ids cover
-            out.extend(token_ids(make_rng(self.seed, "mooncake-tail", entry.timestamp_ms, n), n - len(out),
-                                 self.token_range))
-        return out[:n]
+            out.extend(self.block(h)[:n])
+        return out[:limit]
 
-    def request(self, entry: TraceEntry, max_model_len: int | None = None, max_output_tokens: int | None = None,
-                row: int | None = None) -> LLMRequest:
-        """The row as a completions request that fits ``max_model_len`` (prompt + output)."""
-        out = max(1, entry.output_length)
+    def request(self, record: shapes.MooncakeRecord, max_model_len: int | None = None,
+                max_output_tokens: int | None = None, row: int | None = None) -> LLMRequest:
+        """The record as a completions request that fits ``max_model_len`` (prompt + output)."""
+        out = record.output_tokens
         if max_output_tokens:
             out = min(out, max_output_tokens)
         limit = None
         if max_model_len is not None:
             out = min(out, max(1, max_model_len // 4))
             limit = max_model_len - out
-        prompt = self.prompt(entry, limit)
+        prompt = self.prompt(record, limit)
         return LLMRequest(COMPLETIONS, {"prompt": prompt, "max_tokens": out},
                           tag=f"row-{row}" if row is not None else "", meta={"row": row})
 
@@ -634,10 +547,14 @@ class ReplayConfig:
     """How ``locustfiles/mooncake.py`` replays a trace (see :class:`MooncakeSynth`, :class:`TraceSchedule`)."""
 
     trace_file: str = DEFAULT_TRACE
-    tokens_per_hash_id: int = MOONCAKE_BLOCK_TOKENS
+    tokens_per_hash_id: int = shapes.MOONCAKE_BLOCK_TOKENS
     time_scale: float = 1.0
     start_row: int = 0
     loop: bool = True
+
+    def records(self) -> list[shapes.MooncakeRecord]:
+        """The trace's records (``shapes.read_mooncake``; :data:`DEFAULT_TRACE` when ``trace_file`` is empty)."""
+        return shapes.read_mooncake(self.trace_file or DEFAULT_TRACE)
 
 
 REPLAY_OPTIONS = config_options(
@@ -655,15 +572,19 @@ REPLAY_OPTIONS = config_options(
 class TraceSchedule:
     """Arrival times of a trace, shared by all users of a process.
 
-    ``next()`` hands out rows in timestamp order with their send time in seconds
-    from the start of the replay: ``timestamp_ms / 1000 * time_scale`` (0.5 replays
-    twice as fast). With ``loop`` the trace starts over after its last row.
+    ``next()`` hands out records in timestamp order (rows are indices in that
+    order) with their send time in seconds from the start of the replay:
+    ``timestamp_ms / 1000 * time_scale`` (0.5 replays twice as fast). With
+    ``loop`` the trace starts over after its last row.
     """
 
-    def __init__(self, entries: Sequence[TraceEntry], time_scale: float = 1.0, loop: bool = True, start_row: int = 0):
+    def __init__(self, records: Sequence[shapes.MooncakeRecord], time_scale: float = 1.0, loop: bool = True,
+                 start_row: int = 0):
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
-        self.entries = list(entries)
+        if not records:
+            raise ValueError("the trace has no rows")
+        self.entries = sorted(records, key=lambda r: r.timestamp_ms)
         self.time_scale = time_scale
         self.loop = loop
         self._next = 0
@@ -675,8 +596,8 @@ class TraceSchedule:
         self._start_row = start_row % len(self.entries)
         self._shift_ms = self._offsets_ms[self._start_row]
 
-    def next(self) -> tuple[int, float, TraceEntry] | None:
-        """``(row, send_at_s, entry)``; ``None`` when the trace is over and not looping."""
+    def next(self) -> tuple[int, float, shapes.MooncakeRecord] | None:
+        """``(row, send_at_s, record)``; ``None`` when the trace is over and not looping."""
         k = self._next + self._start_row
         lap, row = divmod(k, len(self.entries))
         if lap and not self.loop:

@@ -1,4 +1,4 @@
-"""Pure tests of the load-experiment workload generators (``locustfiles/workloads.py``).
+"""Pure tests of Locust's workloads (``locustfiles/workloads.py``, over ``locustfiles/shapes.py``).
 
 No Locust, no engines: determinism for a seed, popularity skew, sizes within the
 default model's context (measured with its real tokenizer and chat template), and
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from locustfiles import shapes as S
 from locustfiles import workloads as W
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,23 +52,28 @@ def test_shared_prefix_groups_share_their_system_prompt_and_popularity_is_skewed
         assert prompt[:256] == wl.systems[r.meta["group"]]
         assert 256 + 16 <= len(prompt) <= 256 + 64
         assert all(10 <= t < VOCAB for t in prompt)
-    # Zipf(1): group 0 is drawn about 8x as often as group 7 (1/1 vs 1/8).
-    assert counts[0] > 3 * counts[7]
-    assert counts[0] == max(counts.values())
-    expected0 = W.zipf_weights(8, 1.0)[0] * 4000
-    assert abs(counts[0] - expected0) < 0.15 * expected0
+        assert r.body["max_tokens"] == cfg.output_tokens
+    # Zipf(1): the group of popularity rank 0 is drawn about 8x as often as rank 7's (1/1 vs 1/8).
+    first, last = wl.prefixes.by_rank[0], wl.prefixes.by_rank[7]
+    assert sorted(wl.prefixes.by_rank) == list(range(8))
+    assert counts[first] > 3 * counts[last]
+    assert counts[first] == max(counts.values())
+    weights = S.zipf_weights(8, 1.0)
+    expected0 = weights[0] / sum(weights) * 4000
+    assert abs(counts[first] - expected0) < 0.15 * expected0
     # distinct system prompts per group
     assert len({tuple(s) for s in wl.systems}) == 8
 
 
-def test_zipf_zero_is_uniform_and_weights_normalize():
-    assert W.zipf_weights(4, 0.0) == [0.25] * 4
-    assert abs(sum(W.zipf_weights(24, 1.2)) - 1.0) < 1e-12
+def test_zipf_zero_is_uniform_and_weights_follow_the_rank():
+    assert S.zipf_weights(4, 0.0) == [1.0] * 4
+    w = S.zipf_weights(24, 1.2)
+    assert all(abs(w[k] / w[0] - (k + 1) ** -1.2) < 1e-12 for k in range(24))
 
 
 def test_shared_prefix_default_fits_the_context():
     cfg = W.SharedPrefixConfig()
-    assert cfg.max_prompt_tokens() + cfg.max_tokens <= MAX_MODEL_LEN
+    assert cfg.max_prompt_tokens() + S.longest(cfg.output_tokens) <= MAX_MODEL_LEN
 
 
 def test_multi_tenant_salts_per_tenant_same_ids_across_tenants():
@@ -77,10 +83,11 @@ def test_multi_tenant_salts_per_tenant_same_ids_across_tenants():
     assert set(tenants) == {0, 1, 2, 3}
     assert tenants[0] > tenants[3]
     for r in reqs:
-        assert r.body["cache_salt"] == W.tenant_salt(r.meta["tenant"])
+        assert r.body["cache_salt"] == S.tenant_salt(r.meta["tenant"])
         assert r.body["prompt"][:768] == wl.prompts[r.meta["group"]]
-    assert len({W.tenant_salt(t) for t in range(100)}) == 100
-    assert wl.cfg.max_prompt_tokens() + wl.cfg.max_tokens <= MAX_MODEL_LEN
+    assert {r.meta["group"] for r in reqs} == {0, 1}
+    assert len({S.tenant_salt(t) for t in range(100)}) == 100
+    assert wl.cfg.max_prompt_tokens() + S.longest(wl.cfg.output_tokens) <= MAX_MODEL_LEN
 
 
 def test_parse_range():
@@ -147,7 +154,7 @@ def test_rag_prompts_fit_the_context_and_share_the_document(tokenizer):
     wl = W.Rag(W.RagConfig(), seed=0)
     reqs = draw(wl, 9, 60)
     longest = max(chat_tokens(tokenizer, r.body["messages"]) for r in reqs)
-    assert longest + wl.cfg.max_tokens <= MAX_MODEL_LEN
+    assert longest + S.longest(wl.cfg.output_tokens) <= MAX_MODEL_LEN
     assert longest > 400  # documents are long
     by_doc = {}
     for r in reqs:
@@ -174,7 +181,7 @@ def test_multi_turn_history_grows_and_conversations_fit_the_context(tokenizer):
         req = conv.next_request()
         msgs = req.body["messages"]
         n = chat_tokens(tokenizer, msgs)
-        assert n + cfg.max_tokens <= 1024
+        assert n + S.longest(cfg.output_tokens) <= 1024
         if previous is not None:  # the previous turn's messages are a prefix of this one's
             assert msgs[:len(previous)] == previous
         reply = W.words(rng, 12)  # stands in for the model's answer
@@ -217,29 +224,30 @@ def test_mooncake_same_hash_id_same_tokens():
     assert a.block(1) != a.block(2)
     assert W.MooncakeSynth(seed=1, tokens_per_hash_id=32).block(1) != a.block(1)
     # the same hash id at another position of another row gives the same tokens
-    e1 = W.TraceEntry(0, 3 * 512, 10, (5, 6, 7))
-    e2 = W.TraceEntry(0, 2 * 512, 10, (9, 6))
+    e1 = S.MooncakeRecord(0, 3 * 512, 10, (5, 6, 7))
+    e2 = S.MooncakeRecord(0, 2 * 512, 10, (9, 6))
     assert a.prompt(e1)[32:64] == a.prompt(e2)[32:64] == a.block(6)
 
 
 def test_mooncake_prompt_lengths_scale_and_cut_the_last_block():
     s = W.MooncakeSynth(seed=0, tokens_per_hash_id=512)
-    e = W.TraceEntry(0, 1200, 10, (1, 2, 3))
+    e = S.MooncakeRecord(0, 1200, 10, (1, 2, 3))
     p = s.prompt(e)
     assert len(p) == 1200
     assert p[:512] == s.block(1) and p[1024:] == s.block(3)[:176]
     small = W.MooncakeSynth(seed=0, tokens_per_hash_id=32)
     assert small.prompt_length(e) == 75  # ceil(1200 * 32 / 512)
+    assert small.prompt(e)[64:] == small.block(3)[:11]
     assert len(small.prompt(e, max_prompt_tokens=40)) == 40
+    assert small.prompt(e, max_prompt_tokens=40) == small.prompt(e)[:40]
 
 
 def test_mooncake_trace_rows_fit_the_context_and_share_prefixes():
-    entries = W.load_trace(TRACE)
-    assert len(entries) == 800
-    assert all(a.timestamp_ms <= b.timestamp_ms for a, b in zip(entries, entries[1:], strict=False))
+    records = S.read_mooncake(TRACE)
+    assert len(records) == 800
     for tokens_per_id in (32, 512):
         s = W.MooncakeSynth(seed=0, tokens_per_hash_id=tokens_per_id)
-        for i, e in enumerate(entries[:200]):
+        for i, e in enumerate(records[:200]):
             req = s.request(e, max_model_len=MAX_MODEL_LEN, max_output_tokens=16, row=i)
             n = len(req.body["prompt"])
             assert 1 <= n and n + req.body["max_tokens"] <= MAX_MODEL_LEN
@@ -247,7 +255,7 @@ def test_mooncake_trace_rows_fit_the_context_and_share_prefixes():
             assert all(10 <= t < VOCAB for t in req.body["prompt"])
     # rows that share leading hash ids share leading tokens
     s = W.MooncakeSynth(seed=0, tokens_per_hash_id=32)
-    pairs = [(a, b) for a in entries[:300] for b in entries[:300]
+    pairs = [(a, b) for a in records[:300] for b in records[:300]
              if a is not b and len(a.hash_ids) > 2 and a.hash_ids[:2] == b.hash_ids[:2]]
     assert pairs, "the trace head has rows sharing a prefix"
     a, b = pairs[0]
@@ -255,14 +263,21 @@ def test_mooncake_trace_rows_fit_the_context_and_share_prefixes():
 
 
 def test_trace_schedule_follows_timestamps_scaled_and_loops():
-    entries = [W.TraceEntry(t, 10, 1, (i,)) for i, t in enumerate((1000, 1000, 1500, 4000))]
-    sch = W.TraceSchedule(entries, time_scale=0.5)
+    records = [S.MooncakeRecord(t, 10, 1, (i,)) for i, t in enumerate((1000, 1500, 1000, 4000))]
+    sch = W.TraceSchedule(records, time_scale=0.5)
     got = [sch.next() for _ in range(6)]
+    assert [g[2].hash_ids[0] for g in got] == [0, 2, 1, 3, 0, 2]  # timestamp order, ties in file order
     assert [g[0] for g in got] == [0, 1, 2, 3, 0, 1]
     assert [round(g[1], 4) for g in got[:4]] == [0.0, 0.0, 0.25, 1.5]
     assert got[4][1] > got[3][1]  # the second lap comes after the first
-    once = W.TraceSchedule(entries, loop=False)
+    once = W.TraceSchedule(records, loop=False)
     assert [once.next() is None for _ in range(5)] == [False] * 4 + [True]
+    with pytest.raises(ValueError):
+        W.TraceSchedule([])
+
+
+def test_replay_reads_the_default_trace_when_none_is_given():
+    assert W.ReplayConfig(trace_file="").records() == S.read_mooncake(TRACE)
 
 
 def test_vendored_trace_head_is_the_trace_format():
