@@ -163,7 +163,7 @@ class Option:
 
     The locustfiles add it to Locust's command line (``locustfiles._common.register_options``),
     read it back parsed (``_common.option``) and list it in their docstrings
-    (:func:`options_doc`); the A/B harness (``bench/ab.py``) finds flags here too.
+    (:func:`options_doc`); the A/B harness (``bench.ab``) finds flags here too.
 
     Attributes:
         flag: the command-line flag, e.g. ``"--sp-groups"``; Locust's attribute is :attr:`dest`.

@@ -116,7 +116,7 @@ def _third_party_imports(*folders: str) -> set[str]:
     import ast
     import sys
 
-    own = {"app", "routing", "bench", "locustfiles", "infra", "examples", "tests", "_common", "workloads"}
+    own = {"app", "routing", "bench", "locustfiles", "infra", "examples", "tests", "_common", "workloads", "shapes"}
     found: set[str] = set()
     for folder in folders:
         for path in (REPO / folder).rglob("*.py"):
