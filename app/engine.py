@@ -58,6 +58,7 @@ from app.protocol import (
     EngineRequest,
     EngineSummary,
     FirstOutput,
+    StreamError,
 )
 from routing.tiers import Tier
 
@@ -111,8 +112,8 @@ class VLLMEngine:
     Handle methods (call with ``.options(stream=True)``): ``chat(EngineRequest)`` and
     ``completions(EngineRequest)`` stream vLLM's answer (SSE strings, or one
     response model or ``ErrorResponse``), its first item after the engine's first
-    output wrapped in ``FirstOutput`` and its last in ``EngineSummary``
-    (see ``app.protocol``).
+    output wrapped in ``FirstOutput``, its last in ``EngineSummary`` and vLLM's error
+    events in ``StreamError`` (see ``app.protocol``).
     """
 
     def __init__(self, args: dict[str, Any]):
@@ -245,7 +246,8 @@ class VLLMEngine:
 
         A cancelled call (the client went away) cancels the serving call, which
         aborts the request in the engine. The first item after the engine's first
-        output comes as ``FirstOutput``, the last as ``EngineSummary`` (``app.protocol``).
+        output comes as ``FirstOutput``, the last as ``EngineSummary``, an error
+        event as ``StreamError`` (``app.protocol``).
         """
         from opentelemetry import trace
         from vllm.entrypoints.serve import create_error_response
@@ -264,31 +266,20 @@ class VLLMEngine:
             attributes={"prefix_serve.replica_id": self.replica_id, "gen_ai.response.id": request.request_id},
         )
         probe = request_probe.RequestProbe(self.replica_id, tracing.inject(trace.set_span_in_context(span)))
-        first_reported = False
+        # Current for the rest of this call, never reset: Serve runs each call in a task of its own, whose
+        # context is its own copy. vLLM's serving layer reports to it while it prepares the request and
+        # while its stream runs (a reset across this generator's yields could run in another context).
+        request_probe.CURRENT.set(probe)
         try:
-            token = request_probe.CURRENT.set(probe)  # vLLM's serving layer calls the engine within this call
             try:
-                result = await create(request.body)
-            except Exception as e:  # noqa: BLE001 - vLLM's server maps every error the same way
+                result = await create(request.vllm_request())
+            except Exception as e:  # noqa: BLE001 - this replica's boundary: vLLM's server maps every error so
                 result = create_error_response(e)
-            finally:
-                request_probe.CURRENT.reset(token)
             if not hasattr(result, "__aiter__"):  # a response model or an ErrorResponse: the whole answer
                 yield self._summary(probe, result)
                 return
-            try:  # a stream: vLLM's SSE strings, the last one "data: [DONE]"
-                yield Accepted(self.replica_id)
-                async for chunk in result:
-                    if chunk == _DONE:
-                        yield self._summary(probe, chunk)
-                        return
-                    if not first_reported and probe.first_output.is_set():
-                        first_reported = True
-                        chunk = FirstOutput(self.replica_id, chunk)
-                    yield chunk
-                yield self._summary(probe, None)
-            finally:
-                await result.aclose()  # closed early (client gone): vLLM aborts the request
+            async for item in self._stream(probe, result):
+                yield item
         finally:
             s = probe.summary
             span.set_attributes({
@@ -299,6 +290,27 @@ class VLLMEngine:
                 "prefix_serve.queue_time_s": probe.queue_time_s,
             })
             span.end()
+
+    async def _stream(self, probe: request_probe.RequestProbe, result: Any) -> AsyncIterator[Any]:
+        """vLLM's SSE strings, the last one ``"data: [DONE]"`` (in ``EngineSummary``); an error event
+        vLLM wrote comes as ``StreamError``. Closing it early (client gone) has vLLM abort the request."""
+        yield Accepted(self.replica_id)
+        first_reported = False
+        try:
+            async for chunk in result:
+                if chunk == _DONE:
+                    yield self._summary(probe, chunk)
+                    return
+                if probe.stream_error is not None:  # vLLM made this event from its error response just now
+                    error, probe.stream_error = probe.stream_error, None
+                    chunk = StreamError(int(error["error"]["code"]), error, chunk)
+                elif not first_reported and probe.first_output.is_set():
+                    first_reported = True
+                    chunk = FirstOutput(self.replica_id, chunk)
+                yield chunk
+            yield self._summary(probe, None)
+        finally:
+            await result.aclose()
 
     @staticmethod
     def _summary(probe, data: Any) -> EngineSummary:

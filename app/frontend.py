@@ -14,7 +14,8 @@ requests or responses itself: it builds vLLM's classes from the same settings
   ``/v1/models`` with vLLM's ``ServingTokenization`` and model registry.
 - ``EngineFrontend(engine_client, cfg)``: what each engine replica runs per request:
   vLLM's ``OpenAIServingChat`` and ``OpenAIServingCompletion`` over the replica's
-  ``AsyncLLM``, with vLLM's ``OpenAIServingModels`` holding the LoRA adapters.
+  ``AsyncLLM`` (each with ``app.probe.StreamErrorsObserved``: a stream's error
+  events are known as such), with vLLM's ``OpenAIServingModels`` holding the LoRA adapters.
 
 The settings are the ``serving`` block of the app args (``app.config.ServingConfig``),
 each named after the vLLM command-line flag it stands for.
@@ -199,7 +200,7 @@ class EngineFrontend:
             request_logger=None, return_tokens_as_token_ids=s.return_tokens_as_token_ids,
             enable_prompt_tokens_details=s.enable_prompt_tokens_details,
             enable_force_include_usage=s.enable_force_include_usage)
-        self.chat = OpenAIServingChat(
+        self.chat = _observed(OpenAIServingChat)(
             engine_client, self.models, s.response_role, online_renderer=online,
             chat_template=kwargs["chat_template"],
             chat_template_content_format=kwargs["chat_template_content_format"],
@@ -207,7 +208,8 @@ class EngineFrontend:
             reasoning_parser=kwargs["reasoning_parser"], enable_auto_tools=s.enable_auto_tool_choice,
             tool_parser=s.tool_call_parser, default_chat_template_kwargs=kwargs["default_chat_template_kwargs"],
             **common)
-        self.completion = OpenAIServingCompletion(engine_client, self.models, online_renderer=online, **common)
+        self.completion = _observed(OpenAIServingCompletion)(engine_client, self.models, online_renderer=online,
+                                                             **common)
         self._adapters_loaded = False
 
     async def load_adapters(self) -> None:
@@ -216,3 +218,10 @@ class EngineFrontend:
             await self.models.init_static_loras()
             self._adapters_loaded = True
 
+
+
+def _observed(serving_cls: type) -> type:
+    """vLLM's serving class with its streams' error events reported to the request's probe."""
+    from app.probe import StreamErrorsObserved
+
+    return type(serving_cls.__name__, (StreamErrorsObserved, serving_cls), {})

@@ -30,9 +30,28 @@ class RequestProbe:
         self.first_output = asyncio.Event()
         self.started = time.perf_counter()
         self.queue_time_s = -1.0
+        self.stream_error: dict[str, Any] | None = None
+        """The OpenAI error body vLLM's serving layer just made for a stream's error
+        event (``StreamErrorsObserved``); the engine replica takes it with that event."""
 
 
 CURRENT: contextvars.ContextVar[RequestProbe | None] = contextvars.ContextVar("prefix_serve_probe", default=None)
+
+
+class StreamErrorsObserved:
+    """Mixin for vLLM's serving classes: each error event vLLM writes into a stream is
+    reported to the current request's probe, with its body as vLLM made it.
+
+    vLLM's stream generators make every error event with ``create_streaming_error_response``
+    (a public method of its serving base class) and yield it at once, so the engine
+    replica knows which SSE event is an error, and its status, without reading the text.
+    """
+
+    def create_streaming_error_response(self, *args: Any, **kwargs: Any) -> str:
+        probe = CURRENT.get()
+        if probe is not None:  # the same arguments as vLLM's create_error_response, which makes the text's body
+            probe.stream_error = self.create_error_response(*args, **kwargs).model_dump()  # type: ignore[attr-defined]
+        return super().create_streaming_error_response(*args, **kwargs)  # type: ignore[misc]
 
 
 class ProbedEngineClient:

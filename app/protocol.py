@@ -3,12 +3,16 @@
 ``EngineRequest`` is the argument of ``VLLMEngine.chat`` / ``VLLMEngine.completions``
 as seen through a Serve ``DeploymentHandle``: vLLM's own request model plus what
 the request router reads to compute the request's block keys (token ids,
-``cache_salt``, LoRA name). The engine streams back vLLM's answer, untouched:
+``cache_salt``, LoRA name). The rendered token ids cross the handle once, as
+arrays; the engine replica puts them into vLLM's request (``EngineRequest.vllm_request``).
+The engine streams back vLLM's answer, untouched:
 SSE strings (``"data: {...}\n\n"``, the last one ``"data: [DONE]\n\n"``) for a
 stream, else one response model, or one ``ErrorResponse``. A stream's answer
 starts with ``Accepted`` (vLLM's serving layer validated the request), so the
 ingress can send the response headers and keep-alive comments while the request
-waits for its first token. Two of vLLM's items come
+waits for its first token. An error event vLLM writes into a stream comes as
+``StreamError`` (its text untouched, its status and body as vLLM made them), so
+no one reads a status back out of SSE text. Two of vLLM's items come
 wrapped, so that no other extra item crosses between the processes:
 
 - ``FirstOutput`` wraps the first item sent after the engine produced its first
@@ -22,6 +26,7 @@ They are plain dataclasses so a router process can read them without importing v
 
 from __future__ import annotations
 
+import json
 import uuid
 from array import array
 from dataclasses import dataclass, field
@@ -45,6 +50,13 @@ STAT_NUM_HOST_BLOCKS = "num_host_blocks"  # its capacity in engine blocks (absen
 STAT_KV_BYTES_PER_TOKEN = "kv_bytes_per_token"  # KV bytes of one token on one GPU (prices a host-tier load)
 STAT_HOST_BLOCKS_PER_CHUNK = "host_blocks_per_chunk"  # engine blocks per offloaded chunk (loaded whole)
 
+IDS_INTO_KV_TRANSFER_PARAMS = "kv_transfer_params"
+"""``EngineRequest.ids_into`` of a chat request: vLLM's chat serving takes pre-rendered ids from
+``kv_transfer_params["prompt_token_ids"]`` instead of rendering the messages again."""
+IDS_INTO_PROMPT = "prompt"
+"""``EngineRequest.ids_into`` of a completion: the ids become the prompt (vLLM's completion serving
+ignores ``kv_transfer_params`` ids)."""
+
 
 @dataclass(slots=True)
 class EngineRequest:
@@ -56,10 +68,16 @@ class EngineRequest:
         prompt_token_ids: the (first) prompt as the engine will see it, shape
             ``[n_prompt]``, as ``array('I')``: compact to send between processes
             and read by the router's block-key hashing without conversion.
-        body: vLLM's ``ChatCompletionRequest`` or ``CompletionRequest`` carrying
-            the same ids (chat: ``kv_transfer_params["prompt_token_ids"]``;
-            completions: the prompt itself). Kept as ``Any`` so this module does
-            not import vLLM. ``None`` for a request built only to be routed.
+        more_prompts: the other prompts of a completion's list of prompts, each
+            ``array('I')`` (empty for one prompt and for chat).
+        ids_into: where ``vllm_request`` puts the ids in ``body``:
+            ``IDS_INTO_KV_TRANSFER_PARAMS`` (chat), ``IDS_INTO_PROMPT``
+            (completions), or None (the body renders its own prompt: ``echo``,
+            ``suffix``, prompt embeddings; the ids are still routed on).
+        body: vLLM's ``ChatCompletionRequest`` or ``CompletionRequest``, without
+            the ids (a completion's prompt is emptied when ``ids_into`` is
+            ``IDS_INTO_PROMPT``). Kept as ``Any`` so this module does not import
+            vLLM. ``None`` for a request built only to be routed.
         cache_salt: tenant salt; blocks under different salts never match.
         lora_name: LoRA adapter name, or None for the base model.
         trace_headers: W3C trace-context headers (``traceparent``/``tracestate``).
@@ -80,6 +98,8 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: array
     body: Any = None
+    more_prompts: tuple[array, ...] = ()
+    ids_into: str | None = None
     cache_salt: str | None = None
     lora_name: str | None = None
     trace_headers: dict[str, str] = field(default_factory=dict)
@@ -88,6 +108,39 @@ class EngineRequest:
     route_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     prefill_tokens: int = 0
     bypass_cache: bool = False
+
+    def vllm_request(self) -> Any:
+        """``body`` with the rendered ids put back where vLLM's serving layer reads them
+        (``ids_into``), so the engine does not render or tokenize again. Changes ``body``
+        in place: call it on the engine replica's own copy."""
+        body = self.body
+        if self.ids_into == IDS_INTO_KV_TRANSFER_PARAMS:
+            ids = self.prompt_token_ids.tolist()
+            body.kv_transfer_params = {**(body.kv_transfer_params or {}), "prompt_token_ids": ids}
+        elif self.ids_into == IDS_INTO_PROMPT:
+            first = self.prompt_token_ids.tolist()
+            body.prompt = [first, *(p.tolist() for p in self.more_prompts)] if self.more_prompts else first
+        return body
+
+
+@dataclass(slots=True)
+class StreamError:
+    """An error that ends a stream: vLLM's own error event, or the ingress's (a lost
+    replica, 503; the request's deadline, 504).
+
+    ``status``: the HTTP status it stands for; ``body``: the OpenAI error object
+    (``{"error": {"message", "type", "param", "code"}}``); ``text``: the SSE event
+    as sent (``"data: <body as JSON>\n\n"``).
+    """
+
+    status: int
+    body: dict[str, Any]
+    text: str
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> StreamError:
+        """The error event of an OpenAI error ``body`` (its ``code`` is the status)."""
+        return cls(int(body["error"]["code"]), body, f"data: {json.dumps(body, ensure_ascii=True)}\n\n")
 
 
 @dataclass(slots=True)

@@ -29,7 +29,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -154,6 +155,42 @@ def inject(ctx: otel_context.Context | None = None) -> dict[str, str]:
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier, context=ctx)
     return carrier
+
+
+def request_span(operation: str, model: str, trace_headers: Mapping[str, str] | None) -> trace.Span:
+    """The span of one API request at the ingress (GenAI semantic conventions: ``gen_ai.operation.name``
+    ``chat`` or ``text_completion``), a child of the caller's W3C trace if it sent one. Not made current:
+    see ``current``; ended by ``ending``."""
+    return tracer().start_span(
+        f"{operation} {model}", context=extract(trace_headers) if trace_headers else None,
+        kind=trace.SpanKind.SERVER,
+        attributes={"gen_ai.operation.name": operation, "gen_ai.request.model": model, "gen_ai.system": "vllm"})
+
+
+@contextmanager
+def current(span: trace.Span) -> Iterator[trace.Span]:
+    """``span`` as the current span for a block that runs within one task (a streaming generator resumes
+    in the response's task, where a context attached in the handler's task cannot be detached)."""
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        yield span
+    finally:
+        otel_context.detach(token)
+
+
+@contextmanager
+def ending(span: trace.Span) -> Iterator[trace.Span]:
+    """End ``span`` when the block exits, with the exception that left it recorded (a client that went
+    away, ``GeneratorExit``, is not an error of the request)."""
+    try:
+        yield span
+    except BaseException as e:
+        if not isinstance(e, GeneratorExit):
+            span.record_exception(e)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        span.end()
 
 
 def force_flush(timeout_ms: int = 5000) -> bool:

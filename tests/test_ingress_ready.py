@@ -16,20 +16,12 @@ import time
 
 import pytest
 
-from app import auth, ingress, metrics
+from app import admin, auth, metrics
 from app.errors import ClientErrorLogFilter, OpenAIError, quiet_client_errors
 
-_Ingress = ingress.OpenAIIngress.func_or_class
-# Serve's @serve.ingress copies the class by value: its methods read their own copy
-# of app.ingress's globals.
-_GLOBALS = _Ingress._readiness.__globals__
 
-
-class _Probe:
-    """The ingress's readiness methods over a fake engine handle (no replica, no vLLM)."""
-
-    ready = _Ingress.ready
-    _readiness = _Ingress._readiness
+class _Probe(admin.AdminRoutes):
+    """The ingress's readiness routes over a fake engine handle (no replica, no vLLM)."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -106,7 +98,7 @@ def _assert_503(status: int, body: dict, fragment: str) -> None:
 
 
 def test_no_engine_answer_is_503_within_the_timeout(monkeypatch):
-    monkeypatch.setitem(_GLOBALS, "READY_ENGINE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(admin, "READY_ENGINE_TIMEOUT_S", 0.2)
     engine = _Engine("hang")
     t0 = time.monotonic()
     status, body = _get(_Probe(engine))
@@ -185,7 +177,7 @@ def test_ready_needs_no_api_key_but_health_does(monkeypatch):
     monkeypatch.setenv("PREFIX_SERVE_TEST_KEY", "sk-test")
     saved = dict(auth._state)
     try:
-        assert auth.configure("PREFIX_SERVE_TEST_KEY", ingress.PUBLIC_PATHS)
+        assert auth.configure("PREFIX_SERVE_TEST_KEY", admin.PUBLIC_PATHS)
         assert auth.rejection("/ready", None) is None
         assert auth.rejection("/health", None)[1] == 401
         assert auth.rejection("/health", "Bearer sk-test") is None

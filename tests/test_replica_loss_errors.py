@@ -11,7 +11,7 @@ import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 from ray.serve.exceptions import ReplicaUnavailableError
 
-from app.ingress import _caused_by_replica_loss
+from app.dispatch import caused_by_replica_loss
 
 
 def _chained(outer: BaseException, cause: BaseException) -> BaseException:
@@ -27,7 +27,7 @@ def _chained(outer: BaseException, cause: BaseException) -> BaseException:
     RayTaskError("chat", "traceback", ActorDiedError()).as_instanceof_cause(),
 ])
 def test_replica_loss_is_recognised(error):
-    assert _caused_by_replica_loss(error)
+    assert caused_by_replica_loss(error)
 
 
 @pytest.mark.parametrize("error", [
@@ -39,4 +39,4 @@ def test_replica_loss_is_recognised(error):
         RuntimeError("d"), _chained(RuntimeError("e"), ActorDiedError()))))),  # past the 5-link bound
 ])
 def test_other_errors_are_not_replica_loss(error):
-    assert not _caused_by_replica_loss(error)
+    assert not caused_by_replica_loss(error)

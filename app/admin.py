@@ -1,0 +1,210 @@
+"""The ingress's routes beside the generate API: probes, debug, metrics, models and the tokenizer.
+
+``AdminRoutes`` is a base class of ``app.ingress.OpenAIIngress`` (Serve's class-based
+ingress mounts the routes of every class in its MRO). It reads ``self.engine`` (the
+engine deployment's handle), ``self.serving`` (``app.serving.OpenAIServing``),
+``self.announcer`` (``app.ingress_targets.Announcer``) and ``self.args``.
+
+- ``GET /health``: liveness (this ingress replica is up; the engines may still be loading).
+- ``GET /ready``: readiness (no API key); see ``ready``.
+- ``GET /debug/routing``, ``GET /debug/routing/decisions/{id}``: the routers' state and
+  a request's routing decision.
+- ``GET /metrics``: this replica's Prometheus metrics; ``GET /metrics/engines`` and
+  ``GET /metrics/ingresses``: every replica's own endpoint (Prometheus ``http_sd_configs``).
+- ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize`` (also under ``/v1/``): vLLM's.
+
+The routers' state is read on each router's own loop (``router.ask``): the ingress never
+touches it from its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import Response
+
+from app import metrics
+from app.errors import OpenAIError, error_body
+from app.http_app import fastapi_app, read_body
+from app.results import JSONResponse, json_response
+
+logger = logging.getLogger("prefix_serve.ingress")
+READY_ENGINE_TIMEOUT_S = 2.0
+"""How long ``GET /ready`` waits for an engine replica to answer when this process has no router yet."""
+PUBLIC_PATHS = frozenset({"/ready"})
+"""Routes served without the API key (readiness probes carry no credentials)."""
+METRICS_PATHS = frozenset({"/metrics", "/metrics/engines", "/metrics/ingresses"})
+"""Routes served without the API key when ``metrics_public`` is set."""
+
+
+async def _ask(router: Any, fn: Any) -> Any:
+    """``fn()`` run on the router's own event loop (its state's owner), when it has one."""
+    ask = getattr(router, "ask", None)
+    return await ask(fn) if ask is not None else fn()
+
+
+async def _awaited(response: Any) -> Any:
+    """``await response`` as a coroutine (for ``asyncio.wait_for`` on a Serve ``DeploymentResponse``)."""
+    return await response
+
+
+def sd_targets(targets: dict[str, str]) -> list[dict[str, Any]]:
+    """Prometheus ``http_sd_configs`` entries, one per ``replica_id -> host:port``, labelled ``replica``."""
+    return [{"targets": [hostport], "labels": {"replica": uid}} for uid, hostport in sorted(targets.items())]
+
+
+class AdminRoutes:
+    """Probe, debug, metrics, model-list and tokenizer routes (see module doc)."""
+
+    engine: Any
+    serving: Any
+    announcer: Any
+    args: Any
+
+    @fastapi_app.get("/health")
+    async def health(self) -> dict[str, str]:
+        """Liveness: this ingress replica is up (the engines may still be loading)."""
+        return {"status": "ok"}
+
+    @fastapi_app.get("/ready")
+    async def ready(self):
+        """Readiness: can this ingress serve a request now?
+
+        200 ``{"status": "ready", "routers": [<each router's readiness detail>], ...}``
+        once the engines can serve and every request router of this process is
+        subscribed (every engine replica it knows loaded, warmed up, its KV-event
+        snapshot applied); otherwise 503 with an OpenAI error body
+        (``ServiceUnavailableError``) whose message says what is missing. Answers
+        within about ``READY_ENGINE_TIMEOUT_S``; needs no API key.
+        """
+        ready, detail = await self._readiness()
+        if ready:
+            return {"status": "ready", **detail}
+        return JSONResponse(error_body(detail["reason"], 503, "ServiceUnavailableError"), status_code=503)
+
+    async def _readiness(self) -> tuple[bool, dict[str, Any]]:
+        """``(ready, detail)``; ``detail["reason"]`` says what is missing when not ready.
+
+        Serve creates the engine handle's request router with the handle's first
+        call, so with no router in this process yet the engines are asked first
+        (``VLLMEngine.readiness``). Then every router in ``metrics.ROUTERS`` must
+        report ready (``router.readiness() -> (bool, detail)``). If the call made no
+        router of ours (a baseline router of the A/B harness), the engine's answer decides.
+        """
+        detail: dict[str, Any] = {}
+        if not metrics.ROUTERS:
+            ready, engine = await self._engine_readiness()
+            if not ready:
+                return False, engine
+            detail["engine"] = engine
+        states = []
+        for router in list(metrics.ROUTERS):
+            check = getattr(router, "readiness", None)
+            if check is None:
+                return False, {"reason": f"request router {type(router).__name__} has no readiness() check"}
+            try:
+                ok, state = await _ask(router, check)
+            except Exception as e:  # noqa: BLE001 - a router bug must not fail the probe with a 500
+                logger.exception("router readiness check failed")
+                return False, {"reason": f"request router readiness check failed: {type(e).__name__}"}
+            if not ok:
+                return False, {"reason": f"request router not ready: {state.get('reason') or 'unknown'}"}
+            states.append(state)
+        return True, {"routers": states, **detail} if states else detail
+
+    async def _engine_readiness(self) -> tuple[bool, dict[str, Any]]:
+        """``(True, the engine replica's answer)``, or ``(False, {"reason": ...})``; at most
+        ``READY_ENGINE_TIMEOUT_S``."""
+        response = self.engine.readiness.remote()
+        try:
+            engine = await asyncio.wait_for(_awaited(response), READY_ENGINE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            response.cancel()
+            return False, {"reason": f"engines not running yet: no engine replica answered within "
+                                     f"{READY_ENGINE_TIMEOUT_S:g} s"}
+        except Exception as e:  # noqa: BLE001 - a replica dying or still starting: not ready, say why
+            cause = getattr(e, "cause", None) or e
+            return False, {"reason": f"engines not running yet: readiness call failed: {type(cause).__name__}"}
+        engine = engine if isinstance(engine, dict) else {"ready": bool(engine)}
+        if engine.get("ready"):
+            return True, engine
+        if engine.get("reason"):
+            why = engine["reason"]
+        elif not engine.get("warmed", True):
+            why = "warming up"
+        elif not engine.get("relay_alive", True):
+            why = "its KV-event relay is not running"
+        else:
+            why = "loading"
+        return False, {"reason": f"engine replica not ready: {why}"}
+
+    @fastapi_app.get("/debug/routing")
+    async def debug_routing(self) -> dict[str, Any]:
+        """Index and event-path state of every request router in this ingress process."""
+        return {"routers": [await _ask(r, r.snapshot) for r in list(metrics.ROUTERS)]}
+
+    @fastapi_app.get("/debug/routing/decisions/{request_id}")
+    async def debug_decision(self, request_id: str) -> dict[str, Any]:
+        """How the request with this response ``id`` was routed (recent requests only)."""
+        found: list[dict[str, Any]] = []
+        for router in list(metrics.ROUTERS):
+            found += await _ask(router, lambda r=router: r.decisions_for(request_id))
+        if found:  # a client may send two requests under one id: the newest, with the others named
+            return {**found[-1], "earlier": found[:-1]} if len(found) > 1 else found[-1]
+        raise OpenAIError(f"no routing decision recorded for request `{request_id}`", 404)
+
+    @fastapi_app.get("/metrics")
+    async def prometheus_metrics(self) -> Response:
+        """Prometheus text format: router, ingress and process metrics of this replica."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        for router in list(metrics.ROUTERS):
+            try:
+                await _ask(router, router.export_gauges)
+            except Exception:  # noqa: BLE001 - a scrape still answers, with that router's gauges as they were
+                logger.exception("refreshing a router's gauges failed")
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @fastapi_app.get("/metrics/engines")
+    async def engine_metrics_targets(self) -> list[dict[str, Any]]:
+        """Engine replicas' metrics endpoints in Prometheus ``http_sd_configs`` format."""
+        targets: dict[str, str] = {}
+        for router in list(metrics.ROUTERS):
+            targets.update(await _ask(router, router.engine_metrics_targets))
+        return sd_targets(targets)
+
+    @fastapi_app.get("/metrics/ingresses")
+    async def ingress_metrics_targets(self) -> list[dict[str, Any]]:
+        """Ingress replicas' own metrics endpoints in Prometheus ``http_sd_configs``
+        format, each labelled ``replica`` (``app.ingress_targets``)."""
+        return sd_targets(await self.announcer.targets())
+
+    @fastapi_app.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        """vLLM's model list: the base model, then the configured LoRA adapters."""
+        return (await self.serving.models()).model_dump()
+
+    @fastapi_app.post("/tokenize")
+    @fastapi_app.post("/v1/tokenize")
+    async def http_tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's ``/tokenize`` (completion or chat shape), answered by vLLM's ``ServingTokenization``."""
+        from pydantic import TypeAdapter
+        from vllm.entrypoints.serve.tokenize.protocol import TokenizeRequest
+
+        raw = await read_body(request, self.args.max_request_body_bytes)
+        return json_response(await self.serving.tokenization(raw, TypeAdapter(TokenizeRequest), "create_tokenize",
+                                                             request))
+
+    @fastapi_app.post("/detokenize")
+    @fastapi_app.post("/v1/detokenize")
+    async def http_detokenize(self, request: Request) -> JSONResponse:
+        """vLLM's ``/detokenize``, answered by vLLM's ``ServingTokenization``."""
+        from pydantic import TypeAdapter
+        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest
+
+        raw = await read_body(request, self.args.max_request_body_bytes)
+        return json_response(await self.serving.tokenization(raw, TypeAdapter(DetokenizeRequest),
+                                                             "create_detokenize", request))

@@ -1,0 +1,70 @@
+"""The ingress's FastAPI application: its error handlers and the API-key middleware.
+
+Every error a client gets is OpenAI's JSON shape (``app.errors``) with its status:
+
+- ``OpenAIError`` raised by a route (a body over the size limit: 413; an unknown debug id: 404);
+- Starlette's own: a path no route has (404) and a method its route does not take
+  (405, with the route's ``Allow`` header), each naming method and path;
+- anything unexpected: 500 ``internal error: <type>``, logged with its traceback (no
+  secrets in the message).
+
+The routes are methods of ``app.ingress.OpenAIIngress`` and of ``app.admin.AdminRoutes``
+(Serve's class-based ingress mounts every method of the class's MRO registered here).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app import auth
+from app.errors import OpenAIError, error_body
+from app.results import JSONResponse
+
+logger = logging.getLogger("prefix_serve.ingress")
+
+fastapi_app = FastAPI(title="prefix-serve", description="OpenAI-compatible API with prefix-cache-aware routing")
+
+
+@fastapi_app.exception_handler(OpenAIError)
+async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@fastapi_app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = str(exc.detail)
+    allow = (exc.headers or {}).get("Allow")
+    if exc.status_code == 404 and message == "Not Found":
+        message = f"Not Found: no route {request.method} {request.url.path} (GET /openapi.json lists them)"
+    elif exc.status_code == 405 and allow:
+        message = f"Method Not Allowed: {request.url.path} takes {allow}, not {request.method}"
+    return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers)
+
+
+@fastapi_app.exception_handler(Exception)
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error in the ingress")
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}", 500), status_code=500)
+
+
+@fastapi_app.middleware("http")
+async def _require_api_key(request: Request, call_next):
+    refused = auth.rejection(request.url.path, request.headers.get("authorization"))
+    if refused is not None:
+        return JSONResponse(refused[0], status_code=refused[1])
+    return await call_next(request)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body of ``request``; ``OpenAIError`` 413 past ``limit`` bytes (``max_request_body_bytes``).
+    Parsing is left to the serving layer."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise OpenAIError(f"request body of {declared} bytes exceeds the limit of {limit} bytes", 413)
+    raw = await request.body()
+    if len(raw) > limit:
+        raise OpenAIError(f"request body of {len(raw)} bytes exceeds the limit of {limit} bytes", 413)
+    return raw

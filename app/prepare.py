@@ -1,0 +1,252 @@
+"""A request made ready for an engine replica: parsed, validated, rendered and tokenized once.
+
+``Preparer.prepare(kind, body, stream)`` takes an HTTP body (bytes) or a handle
+caller's dict or vLLM request model and returns the ``EngineRequest`` (``app.protocol``)
+the request router and the engine replica need, or ``Failed`` (``app.results``) with
+the error vLLM's server would give:
+
+1. the body is JSON text that is valid Unicode (a lone surrogate escape is refused,
+   naming its field: the tokenizer, msgpack and an error quoting it would fail on it);
+2. it is not too large in items to validate without stalling the ingress
+   (``MAX_MESSAGE_ITEMS``; a token-id prompt past ``max_model_len``, refused in vLLM's words);
+3. vLLM's request model validates it (``ChatCompletionRequest`` / ``CompletionRequest``);
+4. the model is the served model or a configured LoRA adapter (vLLM's model registry);
+5. vLLM's renderer renders and tokenizes it, with the engines' chat template, tokenizer
+   and tool parser (the same ids the engine would make), and vLLM checks the ids.
+
+Errors raised on the way are mapped once, at ``prepare``'s boundary, as vLLM's server
+maps them, with the field at fault named where the client's text was the cause.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from array import array
+from typing import Any
+
+from app import tracing
+from app.config import AppArgs
+from app.errors import OpenAIError
+from app.protocol import IDS_INTO_KV_TRANSFER_PARAMS, IDS_INTO_PROMPT, EngineRequest
+from app.results import Failed, from_vllm
+
+CHAT, COMPLETION = "chat", "completions"
+"""The two generate kinds (also the engine deployment's method names)."""
+ID_PREFIX = {CHAT: "chatcmpl", COMPLETION: "cmpl"}  # vLLM's response id prefixes
+MAX_MESSAGE_ITEMS = 4096
+"""Most messages plus content parts one chat request may hold. Validating a request
+is one call into pydantic's Rust core, which holds the GIL throughout: 4,096
+items hold it about 40 ms on the development VM, 52,000 (a 2.6 MiB body) about
+0.5-1 s, stalling every thread of the ingress, the serving loop included."""
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate
+_SERVER_SIDE = (TimeoutError, MemoryError, NotImplementedError, RuntimeError)
+"""Rendering failures that are the service's, not the client's text: vLLM's status stays."""
+
+
+class Preparer:
+    """Prepares requests with the ingress's copy of vLLM's renderer (``app.frontend.Renderer``)."""
+
+    def __init__(self, args: AppArgs, renderer: Any):
+        self.args = args
+        self.renderer = renderer
+
+    async def prepare(self, kind: str, body: Any, stream: bool | None = None) -> EngineRequest | Failed:
+        """``body`` (HTTP bytes, a dict or vLLM's request model) as an ``EngineRequest``, or the error.
+
+        ``stream`` overrides the body's ``stream`` (handle methods)."""
+        stage = "body"
+        try:
+            req = self.request(kind, body)
+            if stream is not None:
+                req.stream = stream
+            stage = "model"
+            self.check_model(req.model)
+            stage = "render"
+            with tracing.tracer().start_as_current_span("prefix_serve.tokenize") as span:
+                prompts = await self.render(kind, req)
+                span.set_attribute("gen_ai.usage.input_tokens", sum(len(p) for p in prompts))
+            stage = "ids"
+            for p in prompts:  # vLLM's own check; ids past 32 bits never reach array('I')
+                self.renderer.online.renderer.validate_token_ids(p, parameter="prompt")
+            return self.engine_request(kind, req, prompts)
+        except Exception as e:  # noqa: BLE001 - the preparation's boundary: every error mapped once, as vLLM's
+            return refusal(e, stage, "messages" if kind == CHAT else "prompt")
+
+    def request(self, kind: str, body: Any) -> Any:
+        """vLLM's request model of ``body``; raises ``OpenAIError`` (400) for a body that is not
+        a JSON object of valid text or is too large in items, pydantic's or vLLM's error otherwise."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        model_cls = ChatCompletionRequest if kind == CHAT else CompletionRequest
+        if isinstance(body, model_cls):
+            return body
+        body = decode(body) if isinstance(body, (bytes, bytearray)) else _object(body, check_text=True)
+        check_size(kind, body, self.args.engine.max_model_len)
+        return model_cls.model_validate(body)
+
+    def check_model(self, model: str | None) -> None:
+        """Raises ``OpenAIError`` 404 unless ``model`` is the served model (or unset) or a configured adapter."""
+        registry = self.renderer.registry
+        if model in registry.lora_requests or not model or registry.is_base_model(model):
+            return
+        names = ", ".join(m.name for m in registry.base_model_paths)
+        raise OpenAIError(f"The model `{model}` does not exist. Valid aliases: {names}.", 404,  # vLLM's words
+                          "NotFoundError", "model")
+
+    async def render(self, kind: str, req: Any) -> list[list[int]]:
+        """The prompts' token ids as the engine would render them; raises vLLM's error.
+
+        Chat rendering runs on a copy: vLLM's tool parsers adjust the request in
+        place, and the engine's serving layer must see the client's request.
+        """
+        online = self.renderer.online
+        if kind == CHAT:
+            try:
+                copy = req.model_copy(deep=True)
+            except TypeError:  # content parts pydantic left lazy (malformed) do not copy: render it as is
+                copy = req
+            answer = from_vllm(await online.render_chat(copy))  # (conversation, engine inputs)
+        else:
+            answer = from_vllm(await online.render_completion(req))  # engine inputs
+        if isinstance(answer, Failed):
+            raise answer.exception()
+        inputs = answer.response[1] if kind == CHAT else answer.response
+        return [list(i.get("prompt_token_ids") or ()) for i in inputs]
+
+    def engine_request(self, kind: str, req: Any, prompts: list[list[int]]) -> EngineRequest:
+        """The ``EngineRequest`` of a rendered request: the ids once, as arrays, out of the body."""
+        ids = prompts[0] if prompts else []
+        ids_into = None
+        if kind == CHAT:
+            if ids and not req.echo:
+                ids_into = IDS_INTO_KV_TRANSFER_PARAMS
+        elif prompts and all(prompts) and not req.echo and req.suffix is None and req.prompt_embeds is None:
+            ids_into = IDS_INTO_PROMPT
+            req.prompt = None  # the engine replica puts the ids back (EngineRequest.vllm_request)
+        lora = req.model if req.model in self.renderer.registry.lora_requests else None
+        # vLLM's rule (SamplingParams.skip_reading_prefix_cache): prompt logprobs read no cache;
+        # echo asks for them with the answer's logprobs (to_sampling_params).
+        prompt_logprobs = req.prompt_logprobs
+        if prompt_logprobs is None and req.echo:
+            prompt_logprobs = req.top_logprobs if kind == CHAT else req.logprobs
+        return EngineRequest(
+            request_id=f"{ID_PREFIX[kind]}-{req.request_id}",
+            prompt_token_ids=array("I", ids),
+            more_prompts=tuple(array("I", p) for p in prompts[1:]) if ids_into == IDS_INTO_PROMPT else (),
+            ids_into=ids_into,
+            body=req,
+            cache_salt=req.cache_salt,
+            lora_name=lora,
+            trace_headers=tracing.inject(),
+            block_size=self.args.engine.block_size,
+            prefill_tokens=sum(len(p) for p in prompts) * max(1, req.n or 1),
+            bypass_cache=prompt_logprobs is not None,
+        )
+
+
+def refusal(e: Exception, stage: str, field: str) -> Failed:
+    """The error answer for an exception raised while preparing a request, as vLLM's server maps it.
+
+    ``stage``: ``body`` (decoding and validation: a failure vLLM would call the
+    server's is still the client's malformed body), ``model``, ``render`` (rendering
+    ``field``: a template or tokenizer failure on the client's text is a 400 naming
+    it) or ``ids``. pydantic's ``ValidationError`` names the field and message.
+    """
+    from pydantic import ValidationError
+
+    if isinstance(e, OpenAIError):
+        failed = Failed.of_error(e)
+    elif isinstance(e, ValidationError) and stage in ("body", "render"):
+        failed = validation_error(e)
+    else:
+        failed = Failed.of(e)
+    if stage == "body" and failed.status >= 500:
+        return Failed.of(f"malformed request body: {type(e).__name__}: {e}")
+    if stage == "render":
+        if failed.status >= 500 and not isinstance(e, (OpenAIError, *_SERVER_SIDE)):
+            return Failed.of(f"{field}: could not be rendered: {type(e).__name__}: {e}", param=field)
+        if failed.status < 500 and failed.error.error.param is None:
+            failed.error.error.param = field
+    return failed
+
+
+def validation_error(e: Any) -> Failed:
+    """The 400 for pydantic's ``ValidationError``: the first error's field path and message
+    (vLLM's own parameter name where its validator raised)."""
+    from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
+
+    first = e.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    param = getattr(cause, "parameter", None) or clean_loc_for_param(tuple(first.get("loc", ()))) or None
+    return Failed.of(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param)
+
+
+def decode(raw: bytes | bytearray) -> dict[str, Any]:
+    """The JSON object of an HTTP body; raises ``OpenAIError`` (400) saying why not.
+
+    Text that is not valid Unicode (a lone surrogate escape) is refused with its field named.
+    """
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OpenAIError(f"request body is not valid JSON: {e}", 400) from None
+    return _object(body, check_text=bool(_SURROGATE_ESCAPE.search(raw)))  # only an escape carries a surrogate
+
+
+def _object(body: Any, check_text: bool) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise OpenAIError("request body must be a JSON object", 400)
+    if check_text:
+        check_text_encodable(body)
+    return body
+
+
+def check_size(kind: str, body: dict[str, Any], max_model_len: int) -> None:
+    """Raises ``OpenAIError`` (400) for a body too large in items to validate without
+    stalling the ingress, naming the field. A cheap Python scan, run before pydantic.
+
+    Chat: more than ``MAX_MESSAGE_ITEMS`` messages plus content parts. Completions:
+    a token-id prompt longer than ``max_model_len``, refused as vLLM refuses it
+    (its message and ``param``), but before every id is validated.
+    """
+    if kind == CHAT:
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            items = len(messages) + sum(len(m["content"]) for m in messages
+                                        if isinstance(m, dict) and isinstance(m.get("content"), list))
+            if items > MAX_MESSAGE_ITEMS:
+                raise OpenAIError(f"messages: {items} messages and content parts exceed the limit of "
+                                  f"{MAX_MESSAGE_ITEMS}", 400, param="messages")
+        return
+    prompt = body.get("prompt")
+    prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
+    for p in prompts:
+        if isinstance(p, list) and len(p) > max_model_len:
+            raise OpenAIError(f"This model's maximum context length is {max_model_len} tokens. However, "
+                              f"your prompt contains {len(p)} input tokens. Please reduce the length of "
+                              f"the input prompt.", 400, param="input_tokens")  # vLLM's words and param
+
+
+def check_text_encodable(value: Any, path: str = "") -> None:
+    """Raises ``OpenAIError`` (400) for the first string in ``value`` that is not valid
+    Unicode text (a lone UTF-16 surrogate, as JSON's ``\\ud83d`` escape makes), naming its field.
+
+    The tokenizer, the engine's msgpack encoding and the JSON of an error that
+    quotes the text all fail on such strings, so they are refused up front.
+    """
+    stack = [(path, value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise OpenAIError(f"{where or 'body'}: text is not valid Unicode ({e.reason} at position "
+                                  f"{e.start})", 400, param=where or None) from None
+        elif isinstance(v, dict):
+            stack.extend((f"{where}.{k}" if where else str(k), x) for k, x in v.items())
+            stack.extend((where or "body", k) for k in v if isinstance(k, str))
+        elif isinstance(v, list):
+            stack.extend((f"{where}.{i}", x) for i, x in enumerate(v) if not isinstance(x, (int, float)))

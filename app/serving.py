@@ -1,0 +1,143 @@
+"""The ingress's serving layer: one OpenAI request in, one typed result out.
+
+``OpenAIServing`` is to the ingress what vLLM's ``OpenAIServingChat`` is to vLLM's
+server: the HTTP routes and the handle methods (``app.ingress``) call it and only
+map its result (``app.results``) to JSON, SSE or a model. For a generate request
+(``create``) it:
+
+1. prepares the request (``app.prepare``: parse, validate, check the model, render
+   and tokenize once), on a worker loop (``app.offload``) unless it is a small HTTP
+   body (``INLINE_BODY_BYTES``), so a large one never stalls this replica's other
+   requests, nor waits behind them;
+2. sends it to an engine replica and follows the answer (``app.dispatch``: the
+   prefix-affinity router picks the replica; retry on replica loss, the deadline,
+   metrics);
+3. answers ``Failed``, ``Whole`` or ``Streamed``; a failed engine call is an answer
+   too (a lost replica 503, the deadline 504), so callers catch nothing.
+
+Every generate request has one span (GenAI semantic conventions), the parent of
+the tokenize, routing and engine spans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import ExitStack
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+
+from app import tracing
+from app.config import AppArgs
+from app.dispatch import Dispatcher
+from app.errors import error_body
+from app.offload import WorkerLoop
+from app.prepare import CHAT, Preparer, decode, refusal
+from app.protocol import EngineRequest, StreamError
+from app.results import DONE, Failed, Result, Streamed, StreamEvent, Whole, from_vllm, stream_error
+
+logger = logging.getLogger("prefix_serve.ingress")
+INLINE_BODY_BYTES = 64 * 1024
+"""HTTP bodies up to this size are parsed, validated and rendered on the serving loop
+(a few ms of CPU at most); larger ones, and handle callers' bodies, on the worker loop."""
+_SPAN_OPERATION = {CHAT: "chat", "completions": "text_completion"}
+
+
+class OpenAIServing:
+    """Answers generate, tokenizer and model-list requests (see module doc).
+
+    Args:
+        args: the validated app args.
+        engine: the engine deployment's handle.
+        renderer: the ingress's copy of vLLM's renderer (``app.frontend.Renderer``).
+    """
+
+    def __init__(self, args: AppArgs, engine: DeploymentHandle, renderer: Any):
+        self.args = args
+        self.renderer = renderer
+        self.preparer = Preparer(args, renderer)
+        self.dispatcher = Dispatcher(engine, args.lifecycle.request_timeout_s)
+        self.worker = WorkerLoop()  # parsing, validation and rendering of large bodies run here
+
+    async def create(self, kind: str, body: Any, trace_headers: dict[str, str] | None = None,
+                     stream: bool | None = None) -> Result:
+        """Answer one chat (``kind="chat"``) or completion (``"completions"``) request.
+
+        ``body``: the raw HTTP body (bytes), or a handle caller's dict or vLLM request
+        model; ``stream`` overrides the body's ``stream`` (handle methods).
+        """
+        deadline = asyncio.get_running_loop().time() + self.args.lifecycle.request_timeout_s
+        span = tracing.request_span(_SPAN_OPERATION[kind], self.args.served_model_name, trace_headers)
+        with ExitStack() as ending:
+            ending.enter_context(tracing.ending(span))
+            with tracing.current(span):  # the worker runs in a copy of this context: the span is its parent
+                prepared = await self._prepare(kind, body, stream)
+            if isinstance(prepared, Failed):
+                span.set_attribute("error.type", str(prepared.status))
+                return prepared
+            if prepared.body.stream:
+                ending.pop_all()  # the stream ends the span
+                return Streamed(self._events(kind, prepared, span, deadline))
+            return await self._whole(kind, prepared, span, deadline)
+
+    async def _prepare(self, kind: str, body: Any, stream: bool | None) -> EngineRequest | Failed:
+        work = self.preparer.prepare(kind, body, stream)
+        small = isinstance(body, (bytes, bytearray)) and len(body) <= INLINE_BODY_BYTES
+        return await (work if small else self.worker.run(work))
+
+    async def _whole(self, kind: str, ereq: EngineRequest, span: Any, deadline: float) -> Failed | Whole:
+        """The engine's whole answer, or its failure."""
+        answer: Failed | Whole = Failed.of("engine error: the answer ended before it came", 500)
+        async for item in self.dispatcher.answer(kind, ereq, span, deadline):
+            if isinstance(item, (Failed, Whole)):
+                answer = item
+        return answer
+
+    async def _events(self, kind: str, ereq: EngineRequest, span: Any, deadline: float) -> AsyncIterator[StreamEvent]:
+        """The stream's events; every stream ends with ``DONE``, an error event before it if it failed."""
+        with tracing.ending(span):
+            done = False
+            async for item in self.dispatcher.answer(kind, ereq, span, deadline):
+                if isinstance(item, Failed):  # vLLM refused the request instead of streaming, or the call failed
+                    item = stream_error(item)
+                elif isinstance(item, Whole):
+                    item = StreamError.of(error_body("engine error: a streamed request answered whole", 500))
+                yield item
+                done = item == DONE
+            if not done:
+                yield DONE
+
+    async def tokenization(self, raw: bytes, adapter: Any, method: str, request: Any) -> Failed | Whole:
+        """vLLM's ``/tokenize`` or ``/detokenize`` answer (``method``: ``create_tokenize`` or
+        ``create_detokenize`` of vLLM's ``ServingTokenization``; ``adapter``: pydantic's
+        ``TypeAdapter`` of its request union), for the raw HTTP body."""
+
+        async def answer() -> Failed | Whole:  # on the worker loop if large: it never stalls this one
+            stage = "body"
+            try:
+                req = adapter.validate_python(decode(raw))
+                stage = "answer"
+                return from_vllm(await getattr(self.renderer.tokenization, method)(req, request))
+            except Exception as e:  # noqa: BLE001 - the tokenizer route's boundary: vLLM's mapping
+                return refusal(e, stage, "prompt")
+
+        return await (answer() if len(raw) <= INLINE_BODY_BYTES else self.worker.run(answer()))
+
+    async def models(self) -> Any:
+        """vLLM's ``ModelList``: the served model, then the configured LoRA adapters."""
+        from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelPermission
+
+        registry = self.renderer.registry
+        listing = await registry.show_available_models()
+        listing.data.extend(
+            ModelCard(id=lora.lora_name, root=lora.lora_path, parent=self.args.served_model_name,
+                      permission=[ModelPermission()])
+            for lora in registry.lora_requests.values())
+        return listing
+
+    def close(self) -> None:
+        self.worker.close()
+
+

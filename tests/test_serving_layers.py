@@ -1,0 +1,179 @@
+"""The ingress's layers on their own, without Ray: the typed results and their mapping to
+HTTP (JSON, SSE with keep-alive comments, vLLM's models for handle callers), the engine
+request's single copy of the prompt ids, and the hook that tells vLLM's stream error
+events apart. The same paths through the live app are in ``tests/test_serve_single_replica.py``
+and ``tests/test_lifecycle.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pickle
+from array import array
+from http import HTTPStatus
+
+import pytest
+
+from app import metrics, results, sse
+from app.errors import OpenAIError, error_body
+from app.probe import CURRENT, RequestProbe, StreamErrorsObserved
+from app.protocol import IDS_INTO_KV_TRANSFER_PARAMS, IDS_INTO_PROMPT, Accepted, EngineRequest, StreamError
+
+ROUTE = "/v1/test"
+
+
+def _chunk(text: str) -> str:
+    return "data: " + json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+                                  "choices": [{"index": 0, "text": text}]}) + "\n\n"
+
+
+async def _events(*items, pause_s: float = 0.0):
+    for item in items:
+        if pause_s:
+            await asyncio.sleep(pause_s)
+        yield item
+
+
+def _count(status: str) -> float:
+    return metrics.REQUESTS.labels(route=ROUTE, status=status)._value.get()
+
+
+async def _read(response) -> list[str]:
+    return [part async for part in response.body_iterator]
+
+
+def test_a_stream_refused_before_its_first_event_gets_its_own_status_as_json():
+    before = _count("404")
+    refused = StreamError.of(error_body("The model `x` does not exist.", 404))
+    response = asyncio.run(sse.respond(_events(refused, results.DONE), ROUTE, 0.0))
+    assert response.status_code == 404
+    assert json.loads(response.body)["error"]["code"] == 404
+    assert _count("404") == before + 1
+
+
+def test_a_stream_is_passed_through_untouched_and_counted_once_at_done():
+    before = _count("200")
+    chunks = [_chunk("a"), _chunk("b")]
+
+    async def run():
+        response = await sse.respond(_events(Accepted("r1"), *chunks, results.DONE), ROUTE, 0.0)
+        return response, await _read(response)
+
+    response, body = asyncio.run(run())
+    assert response.media_type == "text/event-stream"
+    assert body == [*chunks, results.DONE]  # Accepted sends nothing
+    assert _count("200") == before + 1
+
+
+def test_an_error_event_after_the_headers_ends_the_stream_and_counts_its_status():
+    before = _count("503")
+    failure = StreamError.of(error_body("engine error: ActorDiedError", 503))
+
+    async def run():
+        response = await sse.respond(_events(_chunk("a"), failure, results.DONE), ROUTE, 0.0)
+        return await _read(response)
+
+    body = asyncio.run(run())
+    assert body == [_chunk("a"), failure.text, results.DONE]
+    assert json.loads(failure.text[len("data: "):])["error"]["code"] == 503
+    assert _count("503") == before + 1
+
+
+def test_an_idle_stream_gets_keepalive_comments_and_its_headers_before_its_first_event():
+    async def run():
+        response = await sse.respond(_events(_chunk("late"), results.DONE, pause_s=0.35), ROUTE, 0.1)
+        return response, await _read(response)
+
+    response, body = asyncio.run(run())
+    assert response.status_code == 200  # committed after one idle period, before the first event
+    comments = body[:body.index(_chunk("late"))]
+    assert len(comments) >= 2 and set(comments) == {": keep-alive\n\n"}, body
+    assert body[-1] == results.DONE
+
+
+def test_a_client_gone_before_done_counts_as_499():
+    before = _count(results.CLIENT_CLOSED)
+
+    async def run():
+        response = await sse.respond(_events(_chunk("a"), _chunk("b"), results.DONE), ROUTE, 0.0)
+        body = response.body_iterator
+        await anext(body)
+        await body.aclose()
+
+    asyncio.run(run())
+    assert _count(results.CLIENT_CLOSED) == before + 1
+
+
+def test_handle_callers_get_vllms_models_and_errors_as_openai_error():
+    from vllm.entrypoints.openai.completion.protocol import CompletionStreamResponse
+
+    async def collect(*items):
+        return [c async for c in results.chunks_of(results.Streamed(_events(*items)), CompletionStreamResponse)]
+
+    chunks = asyncio.run(collect(Accepted("r1"), _chunk("a"), _chunk("b"), results.DONE))
+    assert [c.choices[0].text for c in chunks] == ["a", "b"]
+    assert all(isinstance(c, CompletionStreamResponse) for c in chunks)
+    failure = StreamError.of(error_body("max_tokens: too large", 400, param="max_tokens"))
+    with pytest.raises(OpenAIError) as caught:
+        asyncio.run(collect(_chunk("a"), failure, results.DONE))
+    assert (caught.value.status, caught.value.param, caught.value.err_type) == (400, "max_tokens", "BadRequestError")
+    refused = results.Failed.of("The model `x` does not exist.", 404, "NotFoundError", "model")
+    with pytest.raises(OpenAIError) as caught:
+        results.response_of(refused)
+    assert (caught.value.status, caught.value.param) == (404, "model")
+
+
+def test_vllms_answers_are_told_apart_once():
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponse
+
+    error = results.Failed.of(ValueError("bad"), 500).error  # vLLM maps a ValueError to 400
+    assert isinstance(results.from_vllm(error), results.Failed) and results.from_vllm(error).status == 400
+    response = CompletionResponse(model="m", choices=[], usage={"prompt_tokens": 1, "total_tokens": 1})
+    assert results.from_vllm(response) == results.Whole(response)
+
+
+class _Body:
+    """vLLM's request fields that ``EngineRequest.vllm_request`` writes."""
+
+    def __init__(self, kv_transfer_params=None, prompt=None):
+        self.kv_transfer_params = kv_transfer_params
+        self.prompt = prompt
+
+
+def test_the_prompt_ids_cross_once_and_the_engine_puts_them_back():
+    ids = list(range(100, 400))
+    chat = EngineRequest("chatcmpl-1", array("I", ids), body=_Body({"do_remote_decode": False}),
+                         ids_into=IDS_INTO_KV_TRANSFER_PARAMS)
+    sent = pickle.loads(pickle.dumps(chat))
+    assert sent.body.kv_transfer_params == {"do_remote_decode": False}  # no ids in the body on the wire
+    assert sent.vllm_request().kv_transfer_params == {"do_remote_decode": False, "prompt_token_ids": ids}
+    many = EngineRequest("cmpl-1", array("I", ids), body=_Body(), more_prompts=(array("I", [7, 8]),),
+                         ids_into=IDS_INTO_PROMPT)
+    assert pickle.loads(pickle.dumps(many)).vllm_request().prompt == [ids, [7, 8]]
+    one = EngineRequest("cmpl-2", array("I", ids), body=_Body(prompt="text"), ids_into=None)
+    assert one.vllm_request().prompt == "text"  # echo, suffix, embeddings: the body renders its own prompt
+    # The ids travel once: the pickled request is about one array of 4-byte ids, not two copies.
+    assert len(pickle.dumps(chat)) < len(ids) * 4 + 1000
+
+
+def test_vllms_stream_error_events_are_reported_with_their_body():
+    """vLLM's chat serving class as the engine replicas build it: the event's text and the reported body agree."""
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+
+    from app.frontend import _observed
+
+    observed = _observed(OpenAIServingChat)
+    assert issubclass(observed, StreamErrorsObserved) and issubclass(observed, OpenAIServingChat)
+    serving = object.__new__(observed)  # the method needs no engine: vLLM's own text, unchanged
+    probe = RequestProbe("r1", {})
+    token = CURRENT.set(probe)
+    try:
+        text = serving.create_streaming_error_response("generation failed", err_type="InternalServerError",
+                                                       status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+    finally:
+        CURRENT.reset(token)
+    assert probe.stream_error == json.loads(text)
+    assert probe.stream_error["error"]["code"] == 503 and probe.stream_error["error"]["message"] == "generation failed"
+    assert serving.create_streaming_error_response("no probe") == OpenAIServingChat.create_streaming_error_response(
+        object.__new__(OpenAIServingChat), "no probe")
