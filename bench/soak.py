@@ -2,9 +2,10 @@
 
 Starts ``serve run serve_config.yaml`` (the default CPU config, loopback only)
 unless ``--url`` points at a running app, then keeps ``--concurrency`` streamed
-requests in flight for ``--duration-s`` seconds, mixing four workloads (shared
-system prompts, multi-turn chats, RAG documents × questions, tenants with a
-``cache_salt``). It prints a line every 30 s and, at the end:
+requests in flight for ``--duration-s`` seconds, mixing the four workload shapes
+of ``locustfiles/shapes.py`` (shared system prompts, multi-turn chats, RAG
+documents × questions, tenants with a ``cache_salt``). It prints a line every
+30 s and, at the end:
 
 * requests, errors (non-200 status or an error event in the stream), TTFT p50/p99;
 * the router's index size against its cap (``max_indexed_blocks``) and memory;
@@ -23,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -35,51 +35,67 @@ import yaml
 
 from app.config import AppArgs
 from bench.stats import percentile
-from locustfiles.workloads import DEFAULT_TOKEN_RANGE  # token ids the tiny model's tokenizer knows
+from locustfiles import shapes
+from locustfiles.workloads import MultiTenant, SharedPrefix, make_rng, token_ids
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _ids(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(*DEFAULT_TOKEN_RANGE) for _ in range(n)]
-
-
 class Workloads:
-    """Deterministic request bodies for the four mixed workloads (token-id prompts)."""
+    """Deterministic request bodies mixing the four shapes of ``locustfiles/shapes.py`` as token-id prompts.
 
-    def __init__(self, seed: int, model: str):
-        rng = random.Random(seed)
-        self.rng = rng
+    The ``CPU_TINY`` preset fits the default tiny model (ids in ``[10, 1000)``, prompt and output within its
+    4,096-token context). Shared system prompts and tenants (with their ``cache_salt``) are Locust's requests
+    (``locustfiles/workloads.py``); RAG and chat, text there, are token ids here: instruction + document +
+    question, and sessions whose every turn adds a user message and an answer to the last prompt (the answer
+    synthesized, as in the simulator).
+    """
+
+    SESSIONS = 12
+    """Chat sessions in flight; each chat request continues one of them at random."""
+
+    def __init__(self, seed: int, model: str, preset: shapes.Preset = shapes.CPU_TINY):
+        self.rng = make_rng(seed, "soak")
+        self.draws = shapes.PyDraws(self.rng)
         self.model = model
-        self.system_prompts = [_ids(rng, 1024) for _ in range(6)]
-        self.documents = [_ids(rng, 1536) for _ in range(8)]
-        self.sessions: dict[int, list[int]] = {}
+        self.shared = SharedPrefix(preset.shared_prefix, seed)
+        self.tenants = MultiTenant(preset.multi_tenant, seed)
+        self.rag, self.chat = preset.rag, preset.multi_turn
+        self.docs = self.rag.prefixes(shapes.PyDraws(make_rng(seed, "soak", "rag")))
+        instruction = token_ids(make_rng(seed, "soak", "instruction"), self.rag.instruction_len)
+        self.documents = [instruction + token_ids(make_rng(seed, "soak", "doc", d), n)
+                          for d, n in enumerate(self.docs.lengths)]
+        lengths = self.chat.system_lengths(shapes.PyDraws(make_rng(seed, "soak", "chat")))
+        self.systems = [token_ids(make_rng(seed, "soak", "system", i), n) for i, n in enumerate(lengths)]
+        self.sessions: dict[int, tuple[list[int], int, int]] = {}  # slot -> (history, turns done, turns)
+
+    def _rag(self) -> dict:
+        drawn = self.rag.sample(self.draws, self.docs, 1)
+        return {"prompt": self.documents[drawn.prefix[0]] + token_ids(self.rng, drawn.fresh[0]),
+                "max_tokens": drawn.output_tokens[0]}
+
+    def _chat(self) -> dict:
+        slot = self.rng.randrange(self.SESSIONS)
+        history, turn, turns = self.sessions.get(slot, ([], 0, 0))
+        if turn == turns:  # the session is over (or never began): start another
+            system, turns = self.chat.session(self.draws)
+            history, turn = self.systems[system], 0
+        user_len, max_tokens = self.chat.turn(self.draws, turn)
+        prompt = history + token_ids(self.rng, user_len)
+        self.sessions[slot] = (prompt + token_ids(self.rng, max_tokens), turn + 1, turns)
+        return {"prompt": prompt, "max_tokens": max_tokens}
 
     def next_body(self) -> dict:
-        rng = self.rng
-        kind = rng.choice(("system", "chat", "rag", "tenant"))
-        salt = None
-        if kind == "system":  # skewed popularity: Zipf-like weights over 6 prompts
-            prompt = rng.choices(self.system_prompts, weights=[1 / (i + 1) for i in range(6)])[0] + _ids(rng, 32)
-        elif kind == "chat":  # a session grows by a turn; reset before the context fills
-            sid = rng.randrange(12)
-            history = self.sessions.get(sid, [])
-            if len(history) > 2400:
-                history = []
-            history = history + _ids(rng, 96)
-            self.sessions[sid] = history
-            prompt = history
-        elif kind == "rag":
-            prompt = rng.choice(self.documents) + _ids(rng, 24)
+        kind = self.rng.randrange(4)
+        if kind == 0:
+            body = self.shared.sample(self.rng).body
+        elif kind == 1:
+            body = self._chat()
+        elif kind == 2:
+            body = self._rag()
         else:
-            tenant = rng.randrange(4)
-            salt = f"tenant-{tenant}"
-            prompt = self.system_prompts[tenant] + _ids(rng, 16)
-        body = {"model": self.model, "prompt": prompt, "max_tokens": rng.randint(4, 16), "stream": True,
-                "stream_options": {"include_usage": True}}
-        if salt:
-            body["cache_salt"] = salt
-        return body
+            body = self.tenants.sample(self.rng).body
+        return {"model": self.model, **body, "stream": True, "stream_options": {"include_usage": True}}
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict, headers: dict, out: dict) -> None:
