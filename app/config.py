@@ -201,9 +201,9 @@ class LifecycleConfig(_Strict):
                                                                "request's own wind-down)")
     stream_keepalive_s: float = Field(
         10.0, ge=0.0,
-        description="a stream that idles this long (waiting for its first token, or between tokens) gets "
-                    "an SSE comment line (': keep-alive'), its headers at the latest with the first; 0 = no "
-                    "comments (headers with the engine's acceptance)",
+        description="a stream waiting for its first token gets an SSE comment line (': keep-alive') this "
+                    "often, its headers at the latest with the first; 0 = no comments (headers with the "
+                    "engine's acceptance)",
     )
 
     @property

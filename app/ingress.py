@@ -16,7 +16,7 @@ answer is vLLM's own. The ingress is layered as vLLM's API server is:
 - ``app.http_app``: the FastAPI app, its error handlers and the API-key middleware.
 
 HTTP routes here: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (``stream:
-true`` gives server-sent events, with ``: keep-alive`` comments while the stream idles,
+true`` gives server-sent events, with ``: keep-alive`` comments until the first token,
 ``lifecycle.stream_keepalive_s``, and an error event, then ``[DONE]``, when a lost
 replica (503) or the request timeout (504) ends it).
 

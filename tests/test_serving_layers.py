@@ -177,3 +177,28 @@ def test_vllms_stream_error_events_are_reported_with_their_body():
     assert probe.stream_error["error"]["code"] == 503 and probe.stream_error["error"]["message"] == "generation failed"
     assert serving.create_streaming_error_response("no probe") == OpenAIServingChat.create_streaming_error_response(
         object.__new__(OpenAIServingChat), "no probe")
+
+
+def test_a_client_gone_while_queued_cancels_the_wait_and_the_stream_under_it():
+    before = _count(results.CLIENT_CLOSED)
+    ended: list[str] = []
+
+    async def queued():
+        try:
+            yield Accepted("r1")
+            await asyncio.sleep(3600)  # waits in a queue for its first token
+            yield results.DONE
+        except asyncio.CancelledError:
+            ended.append("cancelled")
+            raise
+
+    async def run():
+        response = await sse.respond(queued(), ROUTE, 0.05)
+        body = response.body_iterator
+        assert await anext(body) == sse.KEEPALIVE
+        await body.aclose()
+        await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert ended == ["cancelled"]  # the engine call under the stream hears of it
+    assert _count(results.CLIENT_CLOSED) == before + 1
