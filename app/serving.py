@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from contextlib import ExitStack
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle
@@ -70,15 +69,14 @@ class OpenAIServing:
         """
         deadline = asyncio.get_running_loop().time() + self.args.lifecycle.request_timeout_s
         span = tracing.request_span(_SPAN_OPERATION[kind], self.args.served_model_name, trace_headers)
-        with ExitStack() as ending:
-            ending.enter_context(tracing.ending(span))
+        with tracing.ending(span) as ending:
             with tracing.current(span):  # the worker runs in a copy of this context: the span is its parent
                 prepared = await self._prepare(kind, body, stream)
             if isinstance(prepared, Failed):
                 span.set_attribute("error.type", str(prepared.status))
                 return prepared
             if prepared.body.stream:
-                ending.pop_all()  # the stream ends the span
+                ending.handover()  # the stream's events end the span
                 return Streamed(self._events(kind, prepared, span, deadline))
             return await self._whole(kind, prepared, span, deadline)
 

@@ -178,19 +178,32 @@ def current(span: trace.Span) -> Iterator[trace.Span]:
         otel_context.detach(token)
 
 
-@contextmanager
-def ending(span: trace.Span) -> Iterator[trace.Span]:
-    """End ``span`` when the block exits, with the exception that left it recorded (a client that went
-    away, ``GeneratorExit``, is not an error of the request)."""
-    try:
-        yield span
-    except BaseException as e:
-        if not isinstance(e, GeneratorExit):
-            span.record_exception(e)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(e).__name__}: {e}"))
-        raise
-    finally:
-        span.end()
+class ending:  # noqa: N801 - used as a context manager, like contextlib's
+    """End ``span`` when the ``with`` block exits, with the exception that left it recorded (a client that
+    went away, ``GeneratorExit``, is not an error of the request). ``handover()`` within the block leaves
+    the span open for a new owner to end (a stream's generator).
+
+    A class, not a ``@contextmanager`` generator: such a generator, entered and then dropped unfinished
+    (``ExitStack.pop_all`` discarded), runs its ``finally`` when collected and would end the span at once.
+    """
+
+    def __init__(self, span: trace.Span):
+        self.span = span
+        self.kept = False
+
+    def __enter__(self) -> ending:
+        return self
+
+    def handover(self) -> None:
+        """Leave the span open at the block's exit: its new owner ends it."""
+        self.kept = True
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: Any) -> None:
+        if e is not None and not isinstance(e, GeneratorExit):
+            self.span.record_exception(e)
+            self.span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(e).__name__}: {e}"))
+        if not self.kept:
+            self.span.end()
 
 
 def force_flush(timeout_ms: int = 5000) -> bool:

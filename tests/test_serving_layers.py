@@ -202,3 +202,49 @@ def test_a_client_gone_while_queued_cancels_the_wait_and_the_stream_under_it():
     asyncio.run(run())
     assert ended == ["cancelled"]  # the engine call under the stream hears of it
     assert _count(results.CLIENT_CLOSED) == before + 1
+
+
+def test_a_streamed_answers_span_ends_with_its_stream_not_when_create_returns(monkeypatch):
+    """The request span of a stream is handed to the stream's events: it must stay open (and collect the
+    usage the answer's end records) until they end. It once ended as soon as ``create`` returned, when the
+    handed-over ``@contextmanager`` generator was collected, and was exported without usage."""
+    import gc
+    from types import SimpleNamespace
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from app import tracing
+    from app.serving import OpenAIServing
+
+    provider, exported = TracerProvider(), InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    monkeypatch.setattr(tracing, "tracer", lambda: provider.get_tracer("test"))
+
+    async def prepare(kind, body, stream):
+        return SimpleNamespace(body=SimpleNamespace(stream=True))
+
+    async def answer(kind, ereq, span, deadline):  # the dispatcher: records usage at the answer's end
+        yield Accepted("r1")
+        yield _chunk("a")
+        span.set_attribute("gen_ai.usage.output_tokens", 1)
+        yield results.DONE
+
+    serving = OpenAIServing.__new__(OpenAIServing)  # no engine, renderer or worker: only the two layers above
+    serving.args = SimpleNamespace(lifecycle=SimpleNamespace(request_timeout_s=30.0), served_model_name="m")
+    serving._prepare = prepare
+    serving.dispatcher = SimpleNamespace(answer=answer)
+
+    async def run():
+        result = await serving.create("completions", b"{}")
+        gc.collect()
+        assert isinstance(result, results.Streamed)
+        assert exported.get_finished_spans() == ()  # handed over: open while its stream has not run
+        events = [e async for e in result.events]
+        assert events[-1] == results.DONE
+
+    asyncio.run(run())
+    (span,) = exported.get_finished_spans()
+    assert span.name == "text_completion m"
+    assert span.attributes["gen_ai.usage.output_tokens"] == 1
