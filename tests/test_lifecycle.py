@@ -25,11 +25,13 @@ pytestmark = pytest.mark.engine
 KEEPALIVE_S = 1.0
 TIMEOUT_S = 120.0  # lifecycle.request_timeout_s before the redeploy
 SHORT_TIMEOUT_S = 6.0  # ... and after it
+LONG_CONTEXT = 8192  # room for a stream past 30 s on an idle machine (the tiny model decodes ~130-200 tokens/s)
 
 
 @pytest.fixture(scope="module")
 def app():
     running = start_app({"engine_replicas": {"num_replicas": 1, "max_ongoing_requests": 2},
+                         "engine": {"max_model_len": LONG_CONTEXT},
                          "lifecycle": {"stream_keepalive_s": KEEPALIVE_S, "request_timeout_s": TIMEOUT_S}})
     yield running
     stop_all()
@@ -53,9 +55,10 @@ def _requests_total(app) -> dict[tuple[str, str], float]:
 
 
 def _occupy(app) -> list[threading.Thread]:
-    """Two long unary requests: the engine replica (max_ongoing_requests 2) takes no more."""
+    """Two long unary requests (1,500 tokens: 7-12 s): the engine replica (max_ongoing_requests 2)
+    takes no more, for several keep-alive periods."""
     threads = [threading.Thread(target=httpx.post, args=(f"{app.base_url}/v1/completions",), kwargs={
-        "json": {"model": app.model, "prompt": f"busy {i}", "max_tokens": 500, "ignore_eos": True},
+        "json": {"model": app.model, "prompt": f"busy {i}", "max_tokens": 1500, "ignore_eos": True},
         "timeout": 120}) for i in range(2)]
     for t in threads:
         t.start()
@@ -183,7 +186,7 @@ def test_a_redeploy_lets_a_30_s_stream_finish(app):
     """Redeploying the app (new args: both deployments get new replicas) while a
     stream runs: the old ingress and engine drain as long as the config's request
     timeout, so the stream ends with all its tokens."""
-    tokens = 3900  # ~30 s or more at the tiny model's ~130 tokens/s, slower while new replicas start
+    tokens = 7000  # 35-55 s at the tiny model's 130-200 tokens/s: longer than Serve's default 20 s drain
     stream, state = _stream_in_background(app, "long", tokens)
     entry = copy.deepcopy(app.entry)
     entry["args"]["lifecycle"]["request_timeout_s"] = SHORT_TIMEOUT_S  # what editing the YAML and redeploying does
