@@ -82,7 +82,10 @@ class Preparer:
         model_cls = ChatCompletionRequest if kind == CHAT else CompletionRequest
         if isinstance(body, model_cls):
             return body
-        body = decode(body) if isinstance(body, (bytes, bytearray)) else _object(body, check_text=True)
+        if isinstance(body, (bytes, bytearray)):
+            body = decode(body)
+        else:  # a handle caller's object: may share or contain itself, unlike parsed JSON
+            body = _object(body, check_text=True, max_values=self.args.max_request_body_bytes // 2)
         check_size(kind, body, self.args.engine.max_model_len)
         return model_cls.model_validate(body)
 
@@ -195,11 +198,14 @@ def decode(raw: bytes | bytearray) -> dict[str, Any]:
     return _object(body, check_text=bool(_SURROGATE_ESCAPE.search(raw)))  # only an escape carries a surrogate
 
 
-def _object(body: Any, check_text: bool) -> dict[str, Any]:
+def _object(body: Any, check_text: bool, max_values: int | None = None) -> dict[str, Any]:
+    """``body`` if it is a dict (``check_text``: of valid text, at most ``max_values`` values);
+    raises ``OpenAIError`` (400) otherwise. A JSON value takes 2 bytes or more, so half the body
+    limit in bytes is as many values as an HTTP body can carry."""
     if not isinstance(body, dict):
         raise OpenAIError("request body must be a JSON object", 400)
     if check_text:
-        check_text_encodable(body)
+        check_text_encodable(body, max_values=max_values)
     return body
 
 
@@ -229,24 +235,51 @@ def check_size(kind: str, body: dict[str, Any], max_model_len: int) -> None:
                               f"the input prompt.", 400, param="input_tokens")  # vLLM's words and param
 
 
-def check_text_encodable(value: Any, path: str = "") -> None:
+def check_text_encodable(value: Any, path: str = "", max_values: int | None = None) -> None:
     """Raises ``OpenAIError`` (400) for the first string in ``value`` that is not valid
-    Unicode text (a lone UTF-16 surrogate, as JSON's ``\\ud83d`` escape makes), naming its field.
+    Unicode text (a lone UTF-16 surrogate, as JSON's ``\\ud83d`` escape makes), naming its field;
+    for a handle caller's object, also for one that contains itself, or that holds more than
+    ``max_values`` values with its shared parts counted each time they appear (as pydantic
+    would validate them and the engine request would carry them).
 
-    The tokenizer, the engine's msgpack encoding and the JSON of an error that
-    quotes the text all fail on such strings, so they are refused up front.
+    The tokenizer, the engine's msgpack encoding and the JSON of an error that quotes
+    the text all fail on such strings, so they are refused up front. Each dict, list,
+    tuple and string is walked once: the walk is linear in the object's size in memory,
+    whatever it shares.
     """
-    stack = [(path, value)]
+    sizes: dict[int, int] = {}  # id of a container walked -> its values, expanded, itself included
+    seen_text: set[int] = set()
+    on_path: set[int] = set()
+    stack: list[tuple[str, Any, bool]] = [(path, value, False)]
     while stack:
-        where, v = stack.pop()
+        where, v, leaving = stack.pop()
         if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise OpenAIError(f"{where or 'body'}: text is not valid Unicode ({e.reason} at position "
-                                  f"{e.start})", 400, param=where or None) from None
-        elif isinstance(v, dict):
-            stack.extend((f"{where}.{k}" if where else str(k), x) for k, x in v.items())
-            stack.extend((where or "body", k) for k in v if isinstance(k, str))
-        elif isinstance(v, list):
-            stack.extend((f"{where}.{i}", x) for i, x in enumerate(v) if not isinstance(x, (int, float)))
+            if id(v) not in seen_text:
+                seen_text.add(id(v))
+                _check_text(where, v)
+        elif not isinstance(v, (dict, list, tuple)) or (id(v) in sizes and not leaving):
+            continue
+        elif leaving:
+            on_path.discard(id(v))
+            sizes[id(v)] = size = 1 + sum(sizes.get(id(x), 1) for x in (v.values() if isinstance(v, dict) else v))
+            if max_values is not None and size > max_values:
+                raise OpenAIError(f"{where or 'body'}: {size} values exceed the limit of {max_values}", 400,
+                                  param=where or None)
+        elif id(v) in on_path:
+            raise OpenAIError(f"{where or 'body'}: the value contains itself", 400, param=where or None)
+        else:
+            on_path.add(id(v))
+            stack.append((where, v, True))
+            if isinstance(v, dict):
+                stack.extend((f"{where}.{k}" if where else str(k), x, False) for k, x in v.items())
+                stack.extend((where or "body", k, False) for k in v if isinstance(k, str))
+            else:
+                stack.extend((f"{where}.{i}", x, False) for i, x in enumerate(v) if not isinstance(x, (int, float)))
+
+
+def _check_text(where: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise OpenAIError(f"{where or 'body'}: text is not valid Unicode ({e.reason} at position "
+                          f"{e.start})", 400, param=where or None) from None

@@ -38,9 +38,14 @@ async def respond(events: AsyncIterator[StreamEvent], route: str, keepalive_s: f
     ``prefix_serve_requests_total{route, status}`` when it ends."""
     keepalive = keepalive_s or None
     committed = False
-    pending: asyncio.Future | None = None
+    asked = _ask(events)
+    pending: asyncio.Future | None = asked
     try:
-        first, pending = await _next(events, None, keepalive)
+        try:
+            first, pending = await _next(asked, keepalive)
+        except asyncio.CancelledError:  # the client left while its stream waited for its first news
+            metrics.REQUESTS.labels(route=route, status=CLIENT_CLOSED).inc()
+            raise
         if isinstance(first, StreamError):  # refused before anything was sent: its own status
             metrics.REQUESTS.labels(route=route, status=str(first.status)).inc()
             return JSONResponse(first.body, status_code=first.status)
@@ -60,7 +65,8 @@ async def _body(events: AsyncIterator[StreamEvent], event: Any, pending: asyncio
         if pending is not None:  # still queued: the first bytes go out with the headers
             yield KEEPALIVE
         while pending is not None or isinstance(event, Accepted):  # until the first token: comments
-            event, pending = await _next(events, pending, keepalive)
+            pending = pending or _ask(events)
+            event, pending = await _next(pending, keepalive)
             if pending is not None:
                 yield KEEPALIVE
         while True:
@@ -80,13 +86,16 @@ async def _body(events: AsyncIterator[StreamEvent], event: Any, pending: asyncio
         metrics.REQUESTS.labels(route=route, status=status).inc()
 
 
-async def _next(events: AsyncIterator[Any], pending: asyncio.Future | None,
-                timeout: float | None) -> tuple[Any, asyncio.Future | None]:
-    """The next event if it comes within ``timeout`` seconds (None: no limit): ``(event, None)``,
-    or ``(None, wait)`` when nothing came in time (pass ``wait`` back to go on waiting for the same
-    event). Raises what the stream raised (``StopAsyncIteration`` at its end)."""
-    if pending is None:
-        pending = asyncio.ensure_future(anext(events))
+def _ask(events: AsyncIterator[Any]) -> asyncio.Future:
+    """A wait for the stream's next event, on a task of its own (so it can outlast a timeout)."""
+    return asyncio.ensure_future(anext(events))
+
+
+async def _next(pending: asyncio.Future, timeout: float | None) -> tuple[Any, asyncio.Future | None]:
+    """The event ``pending`` (from ``_ask``) waits for, if it comes within ``timeout`` seconds
+    (None: no limit): ``(event, None)``, or ``(None, pending)`` when nothing came in time (pass it
+    back to go on waiting for the same event). Raises what the stream raised (``StopAsyncIteration``
+    at its end); cancelled, it cancels ``pending``, which the caller still holds."""
     try:
         done, _ = await asyncio.wait({pending}, timeout=timeout)
     except BaseException:

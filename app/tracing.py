@@ -146,8 +146,12 @@ def tracer() -> trace.Tracer:
 
 
 def extract(headers: Mapping[str, str] | None) -> otel_context.Context:
-    """Context from W3C headers (``traceparent``/``tracestate``); empty context if none."""
-    return _PROPAGATOR.extract(carrier=dict(headers or {}))
+    """Context from W3C headers (``traceparent``/``tracestate``); empty context if none. Headers a
+    handle caller got wrong (not a mapping, values not strings) are ignored, as a malformed
+    ``traceparent`` is: the request starts a trace of its own."""
+    if not isinstance(headers, Mapping):
+        return _PROPAGATOR.extract(carrier={})
+    return _PROPAGATOR.extract(carrier={k: v for k, v in headers.items() if isinstance(k, str) and isinstance(v, str)})
 
 
 def inject(ctx: otel_context.Context | None = None) -> dict[str, str]:

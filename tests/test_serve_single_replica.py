@@ -402,6 +402,19 @@ def test_bad_request_through_the_handle_raises_openai_error_without_log_tracebac
         for _ in handle.options(stream=True).chat_stream.remote({**body, "stream": True}):
             pass
     assert (caught.value.status, caught.value.param) == (400, "max_tokens")
+    # What pickle carries and JSON cannot: a body that contains itself, text in a tuple.
+    looped = {**body, "max_tokens": 2}
+    looped["self"] = looped
+    with pytest.raises(OpenAIError, match="contains itself") as caught:
+        handle.chat.remote(looped).result(timeout_s=60)
+    assert caught.value.status == 400
+    with pytest.raises(OpenAIError, match="not valid Unicode") as caught:
+        handle.completions.remote({"model": app.model, "prompt": "a", "max_tokens": 2,
+                                   "stop": ("\ud800",)}).result(timeout_s=60)
+    assert (caught.value.status, caught.value.param) == (400, "stop.0")
+    # Malformed trace headers are ignored: the request starts a trace of its own.
+    answer = handle.chat.remote({**body, "max_tokens": 1}, trace_headers={"traceparent": 5}).result(timeout_s=60)
+    assert answer.usage.completion_tokens == 1
     # The calls are logged (Serve's "Request failed."), without a traceback.
     time.sleep(1)
     new = ""

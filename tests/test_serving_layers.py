@@ -248,3 +248,82 @@ def test_a_streamed_answers_span_ends_with_its_stream_not_when_create_returns(mo
     (span,) = exported.get_finished_spans()
     assert span.name == "text_completion m"
     assert span.attributes["gen_ai.usage.output_tokens"] == 1
+
+
+def test_a_client_gone_before_its_stream_had_news_is_counted_499_and_ends_the_stream():
+    """With keep-alives every 10 s, a stream that has nothing yet is still waiting inside ``respond``
+    (no headers sent) when the client leaves: the handler's task is cancelled there."""
+    before = _count(results.CLIENT_CLOSED)
+    ended: list[str] = []
+
+    async def queued():
+        try:
+            await asyncio.sleep(3600)  # in the router's queue: not even accepted yet
+            yield results.DONE
+        except asyncio.CancelledError:
+            ended.append("cancelled")
+            raise
+
+    async def run():
+        handler = asyncio.ensure_future(sse.respond(queued(), ROUTE, 10.0))
+        await asyncio.sleep(0.05)
+        handler.cancel()  # what Serve does when the HTTP client disconnects
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+        await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert ended == ["cancelled"]
+    assert _count(results.CLIENT_CLOSED) == before + 1
+
+
+def _refused(body, max_values=None) -> OpenAIError:
+    from app.prepare import check_text_encodable
+
+    with pytest.raises(OpenAIError) as refused:
+        check_text_encodable(body, max_values=max_values)
+    assert refused.value.status == 400
+    return refused.value
+
+
+def test_a_handle_body_that_contains_itself_is_refused():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    body["self"] = body
+    assert "the value contains itself" in str(_refused(body, 1000))
+    inner: list = ["a"]
+    inner.append(inner)
+    error = _refused({"prompt": "a", "stop": inner}, 1000)
+    assert "contains itself" in str(error) and error.param == "stop.1"
+
+
+def test_a_handle_body_that_shares_its_parts_is_counted_as_it_expands_and_walked_once():
+    """``[l, l]`` nested 40 deep is 81 objects in memory and 3 * 2**40 - 1 values once expanded
+    (what pydantic would validate): refused at the first level past the limit, at once."""
+    from app.prepare import check_text_encodable
+
+    part: list = ["x"]
+    levels = [part]
+    for _ in range(40):
+        part = [part, part]
+        levels.append(part)
+    limit = 10_000
+    first_over = next(d for d in range(41) if 3 * 2**d - 1 > limit)  # values under level d: 2 + 2 * (under d-1) + ...
+    error = _refused({"prompt": "a", "x": part}, limit)
+    assert f"{3 * 2**first_over - 1} values exceed the limit of {limit}" in str(error)
+    check_text_encodable({"prompt": "a", "x": levels[first_over - 1]}, max_values=limit)  # one level less passes
+
+
+def test_text_in_a_tuple_is_checked_like_text_in_a_list():
+    error = _refused({"prompt": "a", "stop": ("ok", "\ud800")})
+    assert error.param == "stop.1" and "not valid Unicode" in str(error)
+
+
+def test_malformed_trace_headers_from_a_handle_caller_start_a_trace_of_their_own():
+    from opentelemetry import trace
+
+    from app import tracing
+
+    for headers in ({"traceparent": 5}, "notadict", {1: "x"}, None):
+        assert trace.get_current_span(tracing.extract(headers)).get_span_context().is_valid is False
+    good = {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
+    assert trace.get_current_span(tracing.extract(good)).get_span_context().trace_id == int("1" * 32, 16)
