@@ -14,6 +14,10 @@ Ctrl-C alone does not drain: ``serve run`` answers it with Ray's ``serve.shutdow
 which kills the HTTP proxies at once, so streams in flight end without ``[DONE]``
 (the engines see them cancelled and free their blocks).
 
+It connects as ``ray.init`` does (``RAY_ADDRESS``, else the cluster ``auto`` finds):
+where several Ray clusters run on one machine, set ``RAY_ADDRESS`` (``--address``) to
+``make serve``'s. It prints a line every 10 s while replicas drain.
+
 Errors: exits 1 with a message when no Ray cluster is running or no app of that
 name is deployed.
 """
@@ -27,17 +31,33 @@ import time
 DEFAULT_APP = "prefix-serve"  # applications[0].name in serve_config.yaml
 
 
-def drain(app_name: str = DEFAULT_APP) -> float:
+def drain(app_name: str = DEFAULT_APP, timeout_s: float | None = None, progress_every_s: float = 0.0) -> float:
     """Delete Serve application ``app_name`` from the connected Ray cluster once its
     replicas have drained; returns the seconds it took.
 
-    Raises ``LookupError`` when no application of that name is deployed."""
+    Waits as long as the replicas drain (their ``graceful_shutdown_timeout_s``), not
+    Serve's own 60 s wait of a blocking ``serve.delete``, which gives up while a stream
+    still runs; at most ``timeout_s`` (None: no limit). With ``progress_every_s`` > 0, a
+    line says what still drains that often.
+
+    Raises ``LookupError`` when no application of that name is deployed, ``TimeoutError``
+    when it is still there after ``timeout_s``."""
     from ray import serve
 
     if app_name not in serve.status().applications:
         raise LookupError(f"no Serve application named {app_name!r} is deployed")
     start = time.monotonic()
-    serve.delete(app_name, _blocking=True)
+    serve.delete(app_name, _blocking=False)
+    said = start
+    while (status := serve.status().applications.get(app_name)) is not None:
+        now = time.monotonic()
+        if timeout_s is not None and now - start > timeout_s:
+            raise TimeoutError(f"{app_name!r} is still draining after {timeout_s:g} s")
+        if progress_every_s > 0 and now - said >= progress_every_s:
+            said = now
+            print(f"drain: {now - start:.0f} s, {app_name!r} {str(status.status).rsplit('.', 1)[-1].lower()}",
+                  flush=True)
+        time.sleep(0.5)
     return time.monotonic() - start
 
 
@@ -56,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"drain: deleting {args.app!r}; its replicas finish the requests they hold ...", flush=True)
     try:
-        took = drain(args.app)
+        took = drain(args.app, progress_every_s=10.0)
     except LookupError as e:
         print(f"drain: {e}", file=sys.stderr)
         return 1
