@@ -210,7 +210,8 @@ def test_a_stream_past_the_request_timeout_ends_with_504_and_counts_as_504(app):
     cut with a 504 error event and ``[DONE]``, counted ``status="504"``; a unary
     request past it gets HTTP 504."""
     before = _requests_total(app)
-    body = {"model": app.model, "prompt": "slow", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    # 8,092 tokens: 16 s or more even unary (the tiny model's ~500 tokens/s without streaming, idle machine)
+    body = {"model": app.model, "prompt": "slow", "max_tokens": LONG_CONTEXT - 100, "ignore_eos": True, "stream": True}
     start = time.monotonic()
     with httpx.stream("POST", f"{app.base_url}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
