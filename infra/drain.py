@@ -31,17 +31,15 @@ import time
 DEFAULT_APP = "prefix-serve"  # applications[0].name in serve_config.yaml
 
 
-def drain(app_name: str = DEFAULT_APP, timeout_s: float | None = None, progress_every_s: float = 0.0) -> float:
+def drain(app_name: str = DEFAULT_APP, progress_every_s: float = 0.0) -> float:
     """Delete Serve application ``app_name`` from the connected Ray cluster once its
     replicas have drained; returns the seconds it took.
 
-    Waits as long as the replicas drain (their ``graceful_shutdown_timeout_s``), not
-    Serve's own 60 s wait of a blocking ``serve.delete``, which gives up while a stream
-    still runs; at most ``timeout_s`` (None: no limit). With ``progress_every_s`` > 0, a
-    line says what still drains that often.
+    Waits as long as the replicas drain (their ``graceful_shutdown_timeout_s`` bounds it),
+    not Serve's own 60 s wait of a blocking ``serve.delete``, which gives up while a stream
+    still runs. With ``progress_every_s`` > 0, a line says what still drains that often.
 
-    Raises ``LookupError`` when no application of that name is deployed, ``TimeoutError``
-    when it is still there after ``timeout_s``."""
+    Raises ``LookupError`` when no application of that name is deployed."""
     from ray import serve
 
     if app_name not in serve.status().applications:
@@ -51,8 +49,6 @@ def drain(app_name: str = DEFAULT_APP, timeout_s: float | None = None, progress_
     said = start
     while (status := serve.status().applications.get(app_name)) is not None:
         now = time.monotonic()
-        if timeout_s is not None and now - start > timeout_s:
-            raise TimeoutError(f"{app_name!r} is still draining after {timeout_s:g} s")
         if progress_every_s > 0 and now - said >= progress_every_s:
             said = now
             print(f"drain: {now - start:.0f} s, {app_name!r} {str(status.status).rsplit('.', 1)[-1].lower()}",

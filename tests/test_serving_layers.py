@@ -297,7 +297,7 @@ def test_a_handle_body_that_contains_itself_is_refused():
 
 
 def test_a_handle_body_that_shares_its_parts_is_counted_as_it_expands_and_walked_once():
-    """``[l, l]`` nested 40 deep is 81 objects in memory and 3 * 2**40 - 1 values once expanded
+    """``[l, l]`` nested 40 deep is 42 objects in memory and 3 * 2**40 - 1 values once expanded
     (what pydantic would validate): refused at the first level past the limit, at once."""
     from app.prepare import check_text_encodable
 
@@ -307,7 +307,8 @@ def test_a_handle_body_that_shares_its_parts_is_counted_as_it_expands_and_walked
         part = [part, part]
         levels.append(part)
     limit = 10_000
-    first_over = next(d for d in range(41) if 3 * 2**d - 1 > limit)  # values under level d: 2 + 2 * (under d-1) + ...
+    # values in level d: 2 at d = 0 (the list and "x"), then 1 + 2 * (values in level d - 1) = 3 * 2**d - 1
+    first_over = next(d for d in range(41) if 3 * 2**d - 1 > limit)
     error = _refused({"prompt": "a", "x": part}, limit)
     assert f"{3 * 2**first_over - 1} values exceed the limit of {limit}" in str(error)
     check_text_encodable({"prompt": "a", "x": levels[first_over - 1]}, max_values=limit)  # one level less passes
