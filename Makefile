@@ -27,7 +27,7 @@ build-deps:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends libxxhash-dev >/dev/null; }
 
-$(STAMP): pyproject.toml setup.py routing/_blocktable.c routing/_chain.c routing/_buffers.h bench/requirements-peers.txt
+$(STAMP): pyproject.toml setup.py routing/_blocktable.c routing/_chain.c routing/_contenders.c routing/_buffers.h bench/requirements-peers.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip wheel
 	$(PY) -m pip install --quiet $(PIP_INDEX) -e ".[$(EXTRA),bench,test,lint]"
@@ -87,11 +87,12 @@ test-unit: install
 test-engine: install model system-deps
 	$(PY) -m pytest tests -m engine
 
-# Both C extensions built with AddressSanitizer + UndefinedBehaviorSanitizer into build/asan (a copy of
+# The C extensions built with AddressSanitizer + UndefinedBehaviorSanitizer into build/asan (a copy of
 # routing/ beside them), and the C and index tests run against that copy: libasan preloaded (CPython is
 # not instrumented), PYTHONMALLOC=malloc so PyMem blocks are ASan's, leaks not checked (CPython keeps
 # objects until exit), any UB report fatal.
-ASAN_TESTS := tests/test_blocktable.py tests/test_block_keys.py tests/test_index.py tests/test_key_events.py tests/test_router_state.py
+ASAN_TESTS := tests/test_blocktable.py tests/test_block_keys.py tests/test_index.py tests/test_key_events.py tests/test_router_state.py \
+  tests/test_contenders.py tests/test_choose_in_arrays.py
 test-asan: install
 	rm -rf build/asan build/asan-tmp && mkdir -p build/asan/routing
 	cp routing/*.py build/asan/routing/

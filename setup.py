@@ -1,7 +1,8 @@
 """The router's hot loops in C, built at install time (metadata is in pyproject.toml).
 
 Plain C against the CPython API, compiled by the system C compiler: the block
-index's hash tables (``routing/_blocktable.c``) and the block-key chaining loop
+index's hash tables (``routing/_blocktable.c``), the policy's score of every
+candidate (``routing/_contenders.c``) and the block-key chaining loop
 (``routing/_chain.c``, on xxHash's header-only C library: Debian's
 ``libxxhash-dev``, installed by ``make build-deps``).
 
@@ -43,6 +44,8 @@ setup(
     ext_modules=[
         Extension("routing._blocktable", ["routing/_blocktable.c"], depends=["routing/_buffers.h"],
                   extra_compile_args=FLAGS, extra_link_args=LINK),
+        Extension("routing._contenders", ["routing/_contenders.c"], extra_compile_args=FLAGS,
+                  extra_link_args=LINK),
         Extension("routing._chain", ["routing/_chain.c"], depends=["routing/_buffers.h"],
                   include_dirs=_xxhash_include_dirs(), extra_compile_args=FLAGS, extra_link_args=LINK),
     ]

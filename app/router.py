@@ -42,7 +42,7 @@ from app.protocol import EngineRequest
 from app.router_ranks import chosen_first, no_candidates
 from routing.block_keys import block_keys
 from routing.relay_reader import RelayReader
-from routing.router_state import Candidate, RouteRequest, with_adapter
+from routing.router_state import Candidate, CandidateSet, RouteRequest
 from routing.tiers import TIER_LABELS, Tier
 
 logger = logging.getLogger("prefix_serve.router")
@@ -87,6 +87,12 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.reader = RelayReader(self.state)
         self.loop: asyncio.AbstractEventLoop | None = None  # the owner: Serve's router loop, from its first call
         self._timings: deque[tuple[float, float]] = deque(maxlen=200_000)  # (monotonic s, decision s)
+        # Serve hands the same candidate list until a replica or its stats change (routing.candidate_set):
+        # its CandidateSet and replica-by-id map are built once per list.
+        self._serve_list: list[RunningReplica] | None = None
+        self._cset: CandidateSet | None = None
+        self._by_uid: dict[str, RunningReplica] = {}
+        self._followed_list: list[RunningReplica] | None = None  # every replica of it has a feed
         self.caller_replica_id = _caller_replica_id()
         metrics.ROUTERS.add(self)
 
@@ -202,10 +208,13 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             assert pending_request is not None
             if self.init_error is not None:
                 return self._fallback(candidate_replicas, pending_request, request, "router_config")
-            uids = [r.replica_id.unique_id for r in candidate_replicas]
+            uids = self._candidate_set(candidate_replicas).uids
             while True:  # a router's first seconds (or a replica just followed): not routed blind
-                for r in candidate_replicas:
-                    self._follow(r)
+                if candidate_replicas is not self._followed_list:  # endpoints come with new stats: a new list
+                    for r in candidate_replicas:
+                        self._follow(r)
+                    followed = all(self.state.feed(u) is not None for u in uids)  # else: tried again next time
+                    self._followed_list = candidate_replicas if followed else None
                 if not (self.reader.alive() and self.state.awaiting_snapshot(uids, time.time(), SNAPSHOT_WAIT_S)):
                     break
                 await asyncio.sleep(0.01)
@@ -244,21 +253,34 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             return self._fallback(candidates, pending, request, "no_block_size")
         route_id = pending.metadata.internal_request_id
         known = route_id in self.state.requests and self.state.requests[route_id].request is not None
-        views = with_adapter([Candidate(r.replica_id.unique_id, r.routing_stats, r.max_ongoing_requests)
-                              for r in candidates], request.lora_name, stats_keys.STAT_LORA_ADAPTERS)
+        views = self._candidate_set(candidates).with_adapter(request.lora_name, stats_keys.STAT_LORA_ADAPTERS)
         stale_before = self.state.stale_fallbacks
         decision = self.state.choose(route_id, None if known else self._route_request(request, block_size),
                                      views, time.time(), start_ns)
         if self.state.stale_fallbacks != stale_before:
             metrics.FALLBACKS.labels(cause="stale_events").inc(self.state.stale_fallbacks - stale_before)
-        by_uid = {r.replica_id.unique_id: r for r in candidates}
-        kept = {v.replica_id for v in views}
-        rest = sorted((u for u in kept if u != decision.replica_id), key=lambda u: decision.scores.get(u, 0.0))
-        rest += [u for u in by_uid if u not in kept]  # replicas without the request's adapter: last
+        by_uid, chosen = self._by_uid, decision.replica_id
+        # Then the scored candidates by score, the others (not able to win) in Serve's order, and the
+        # replicas without the request's adapter last.
+        rest = sorted((u for u in decision.scores if u != chosen), key=decision.scores.__getitem__)
+        scored = set(decision.scores)
+        rest += [u for u in views.uids if u not in scored]
+        if len(views) < len(by_uid):
+            kept = set(views.uids)
+            rest += [u for u in by_uid if u not in kept]
         elapsed = time.perf_counter() - t0
         metrics.ROUTING_SECONDS.observe(elapsed)
         self._timings.append((time.monotonic(), elapsed))
-        return chosen_first(by_uid[decision.replica_id], [by_uid[u] for u in rest])
+        return chosen_first(by_uid[chosen], [by_uid[u] for u in rest])
+
+    def _candidate_set(self, candidates: list[RunningReplica]) -> CandidateSet:
+        """The candidates as a ``CandidateSet``, rebuilt only when Serve hands a new list."""
+        if candidates is not self._serve_list or self._cset is None:
+            self._cset = CandidateSet([Candidate(r.replica_id.unique_id, r.routing_stats, r.max_ongoing_requests)
+                                       for r in candidates])
+            self._by_uid = {r.replica_id.unique_id: r for r in candidates}
+            self._serve_list = candidates
+        return self._cset
 
     @staticmethod
     def _block_size(candidates: list[RunningReplica]) -> int | None:

@@ -640,21 +640,38 @@ BlockTable_memory_bytes(BlockTable *t, PyObject *Py_UNUSED(ignored))
 }
 
 PyDoc_STRVAR(walk_doc,
-             "walk(keys, alive, /)\n--\n\n"
+             "walk(keys, alive, out=None, /)\n--\n\n"
              "Follow ``keys`` (a prompt's block keys, in order: a sequence of ints or a\n"
              "bytes-like of uint64) while some replica of the mask ``alive`` (an int in\n"
              "[0, 2**MAX_REPLICAS)) holds every block so far, really or by prediction.\n\n"
              "Returns ``(drops, end)``: ``drops`` lists ``(i, bits)`` in order, ``bits`` the\n"
              "replicas of ``alive`` that hold ``keys[:i]`` but not ``keys[i]`` (``i ==\n"
-             "len(keys)`` for those that hold every key); ``end`` is the longest match.");
+             "len(keys)`` for those that hold every key); ``end`` is the longest match.\n\n"
+             "With ``out`` (a writable buffer of MAX_REPLICAS int32, e.g. a numpy array):\n"
+             "``out[r] = i`` for each replica ``r`` of ``alive`` instead (entries of other\n"
+             "replicas are left as they were), and ``drops`` is None: no Python object a\n"
+             "replica, for callers that gather the answer into arrays.");
 
-/* Append (i, bits) to drops; -1 with an exception set. */
+/* Where a walk puts its drops: a list of (i, bits), or per replica bit i in an int32 array. */
+typedef struct {
+    PyObject *list;
+    int32_t *out;
+} Sink;
+
+/* Record that the replicas of bits hold exactly the first i keys; -1 with an exception set. */
 static int
-append_drop(PyObject *drops, Py_ssize_t i, Mask bits)
+sink_drop(Sink *sink, Py_ssize_t i, Mask bits)
 {
+    if (sink->out != NULL) {
+        for (int w = 0; w < MASK_WORDS; w++) {
+            for (uint64_t x = bits.w[w]; x; x &= x - 1)
+                sink->out[64 * w + __builtin_ctzll(x)] = (int32_t)i;
+        }
+        return 0;
+    }
     PyObject *b = mask_to_int(bits);
     PyObject *entry = b ? Py_BuildValue("(nN)", i, b) : NULL;
-    if (entry == NULL || PyList_Append(drops, entry) < 0) {
+    if (entry == NULL || PyList_Append(sink->list, entry) < 0) {
         Py_XDECREF(entry);
         return -1;
     }
@@ -662,20 +679,67 @@ append_drop(PyObject *drops, Py_ssize_t i, Mask bits)
     return 0;
 }
 
+/* A sink from an optional out argument (None or absent: a new list). 0, or -1 with an exception set;
+ * on success release it with sink_release. */
+static int
+sink_init(Sink *sink, Py_buffer *view, PyObject *out, const char *name)
+{
+    sink->list = NULL;
+    sink->out = NULL;
+    view->obj = NULL;
+    if (out == NULL || out == Py_None) {
+        sink->list = PyList_New(0);
+        return sink->list == NULL ? -1 : 0;
+    }
+    if (PyObject_GetBuffer(out, view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '=' || *f == '<' || *f == '@')
+        f++;
+    if (view->itemsize != 4 || (strcmp(f, "i") != 0 && strcmp(f, "l") != 0) || view->len < 4 * MAX_REPLICAS) {
+        PyErr_Format(PyExc_TypeError, "%s must be a writable buffer of at least %d int32, got format %s, "
+                     "%zd bytes", name, MAX_REPLICAS, view->format ? view->format : "B", view->len);
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        return -1;
+    }
+    sink->out = (int32_t *)view->buf;
+    return 0;
+}
+
+static void
+sink_release(Sink *sink, Py_buffer *view)
+{
+    Py_XDECREF(sink->list);
+    if (view->obj != NULL)
+        PyBuffer_Release(view);
+}
+
+/* The sink's answer: its list, or None for an array (a new reference). */
+static PyObject *
+sink_result(Sink *sink)
+{
+    PyObject *r = sink->list ? sink->list : Py_None;
+    Py_INCREF(r);
+    return r;
+}
+
 static PyObject *
 BlockTable_walk(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (!check_nargs("walk", nargs, 2, 2))
+    if (!check_nargs("walk", nargs, 2, 3))
         return NULL;
     Mask alive;
     if (mask_from_int(args[1], &alive) < 0)
         return NULL;
-    uint64_t *keys;
-    Py_ssize_t n;
-    if (keys_arg(args[0], &keys, &n) < 0)
+    Sink sink;
+    Py_buffer view;
+    if (sink_init(&sink, &view, nargs > 2 ? args[2] : NULL, "out") < 0)
         return NULL;
-    PyObject *drops = PyList_New(0), *result = NULL;
-    if (drops == NULL)
+    uint64_t *keys = NULL;
+    Py_ssize_t n;
+    PyObject *result = NULL, *drops = NULL;
+    if (keys_arg(args[0], &keys, &n) < 0)
         goto done;
     const Table *h = &t->holders;
     for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++)
@@ -693,17 +757,18 @@ BlockTable_walk(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         Mask held = mask_and(holders, alive);
         if (mask_eq(held, alive))
             continue;
-        if (append_drop(drops, i, mask_xor(alive, held)) < 0)
+        if (sink_drop(&sink, i, mask_xor(alive, held)) < 0)
             goto done;
         alive = held;
         if (!mask_any(alive))
             end = i;
     }
-    if (mask_any(alive) && append_drop(drops, n, alive) < 0)
+    if (mask_any(alive) && sink_drop(&sink, n, alive) < 0)
         goto done;
-    result = Py_BuildValue("(On)", drops, end);
+    drops = sink_result(&sink);
+    result = Py_BuildValue("(Nn)", drops, end);
 done:
-    Py_XDECREF(drops);
+    sink_release(&sink, &view);
     PyMem_Free(keys);
     return result;
 }
@@ -711,7 +776,7 @@ done:
 static PyTypeObject BlockTableType;
 
 PyDoc_STRVAR(walk_tiers_doc,
-             "walk_tiers(keys, alive, host, /)\n--\n\n"
+             "walk_tiers(keys, alive, host, out=None, host_out=None, /)\n--\n\n"
              "``walk`` over two KV-cache tiers: this table (GPU, blocks held really or by\n"
              "prediction) and ``host`` (a BlockTable of the blocks held in host memory).  A\n"
              "replica of ``alive`` follows ``keys`` on GPU while it holds every block so far\n"
@@ -721,26 +786,39 @@ PyDoc_STRVAR(walk_tiers_doc,
              "Returns ``(drops, host_drops)``: ``drops`` as ``walk``'s (where each replica's\n"
              "GPU run ends); ``host_drops`` lists ``(i, bits)`` in order, ``bits`` the\n"
              "replicas whose run, GPU then host, ends at ``i`` (``len(keys)`` for those that\n"
-             "hold every key).");
+             "hold every key).  With ``out`` and ``host_out`` (both, as ``walk``'s ``out``):\n"
+             "each replica of ``alive`` gets its GPU run's end in ``out`` and its run's end\n"
+             "in ``host_out``, and both lists are None.");
 
 static PyObject *
 BlockTable_walk_tiers(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (!check_nargs("walk_tiers", nargs, 3, 3))
+    if (!check_nargs("walk_tiers", nargs, 3, 5))
         return NULL;
     if (!PyObject_TypeCheck(args[2], &BlockTableType)) {
         PyErr_Format(PyExc_TypeError, "host must be a BlockTable, not %.100s", Py_TYPE(args[2])->tp_name);
         return NULL;
     }
+    PyObject *out = nargs > 3 ? args[3] : Py_None, *host_out = nargs > 4 ? args[4] : Py_None;
+    if ((out == Py_None) != (host_out == Py_None)) {
+        PyErr_SetString(PyExc_TypeError, "walk_tiers takes both out and host_out, or neither");
+        return NULL;
+    }
     Mask gpu_alive;
     if (mask_from_int(args[1], &gpu_alive) < 0)
         return NULL;
-    uint64_t *keys;
-    Py_ssize_t n;
-    if (keys_arg(args[0], &keys, &n) < 0)
+    Sink sink, host_sink;
+    Py_buffer view, host_view;
+    if (sink_init(&sink, &view, out, "out") < 0)
         return NULL;
-    PyObject *drops = PyList_New(0), *host_drops = PyList_New(0), *result = NULL;
-    if (drops == NULL || host_drops == NULL)
+    if (sink_init(&host_sink, &host_view, host_out, "host_out") < 0) {
+        sink_release(&sink, &view);
+        return NULL;
+    }
+    uint64_t *keys = NULL;
+    Py_ssize_t n;
+    PyObject *result = NULL;
+    if (keys_arg(args[0], &keys, &n) < 0)
         goto done;
     const Table *g = &t->holders, *h = &((BlockTable *)args[2])->holders;
     for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) {
@@ -763,25 +841,26 @@ BlockTable_walk_tiers(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         last_host = on_host;
         Mask stay_gpu = mask_and(gpu_alive, on_gpu);
         Mask left_gpu = mask_xor(gpu_alive, stay_gpu);
-        if (mask_any(left_gpu) && append_drop(drops, i, left_gpu) < 0)
+        if (mask_any(left_gpu) && sink_drop(&sink, i, left_gpu) < 0)
             goto done;
         Mask on_tier2 = mask_or(host_alive, left_gpu); /* replicas that go on from host memory */
         Mask stay_host = mask_and(on_tier2, on_host);
         Mask left = mask_xor(on_tier2, stay_host);
-        if (mask_any(left) && append_drop(host_drops, i, left) < 0)
+        if (mask_any(left) && sink_drop(&host_sink, i, left) < 0)
             goto done;
         gpu_alive = stay_gpu;
         host_alive = stay_host;
     }
-    if (mask_any(gpu_alive) && append_drop(drops, n, gpu_alive) < 0)
+    if (mask_any(gpu_alive) && sink_drop(&sink, n, gpu_alive) < 0)
         goto done;
     Mask to_end = mask_or(gpu_alive, host_alive);
-    if (mask_any(to_end) && append_drop(host_drops, n, to_end) < 0)
+    if (mask_any(to_end) && sink_drop(&host_sink, n, to_end) < 0)
         goto done;
-    result = PyTuple_Pack(2, drops, host_drops);
+    PyObject *a = sink_result(&sink), *b = sink_result(&host_sink);
+    result = Py_BuildValue("(NN)", a, b);
 done:
-    Py_XDECREF(drops);
-    Py_XDECREF(host_drops);
+    sink_release(&sink, &view);
+    sink_release(&host_sink, &host_view);
     PyMem_Free(keys);
     return result;
 }

@@ -127,7 +127,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Decision", "PolicyConfig", "Reason", "ReplicaView", "RoutingRequest", "choose_replica", "cached_tokens"]
+__all__ = ["ClusterLoad", "Decision", "PolicyConfig", "Reason", "ReplicaView", "RoutingRequest", "choose_replica",
+           "cached_tokens"]
 
 Reason = Literal["only_candidate", "prefix_hit", "lower_ttft", "spill_overload", "no_match", "all_saturated"]
 
@@ -234,6 +235,28 @@ class PolicyConfig:
                              f"eviction_weight must be >= 0: {self}")
 
 
+@dataclass(frozen=True, slots=True)
+class ClusterLoad:
+    """What the rules read of every candidate, when ``choose_replica`` is given only some of them.
+
+    ``routing.contenders`` computes it over all candidates and keeps those that can win;
+    ``choose_replica`` then decides among those as it would among all (see there).
+
+    Attributes:
+        candidates: how many candidates there are (``n`` of the load bound).
+        total_inflight: the sum of their ``inflight_requests`` (``L`` of the load bound).
+        least_queued: the least ``queued_prefill_tokens`` of any candidate.
+        least_queued_free: the least of the candidates not saturated, or None when all are.
+        fits_somewhere: some candidate can cache the request's new blocks without evicting.
+    """
+
+    candidates: int
+    total_inflight: int
+    least_queued: int
+    least_queued_free: int | None
+    fits_somewhere: bool
+
+
 @dataclass(slots=True)
 class Decision:
     """The chosen replica and why.
@@ -251,6 +274,7 @@ class Decision:
             seconds; lower is better (the caller's fallback order).
         host_tokens: per candidate with a host hit, the prompt tokens of its
             ``matched_tokens`` it would load from host memory.
+        candidates: how many candidates there were (all of them, scored or not).
     """
 
     replica_id: str
@@ -261,6 +285,7 @@ class Decision:
     costs: dict[str, float]
     scores: dict[str, float]
     host_tokens: dict[str, int]
+    candidates: int = 0
 
 
 def cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
@@ -286,15 +311,23 @@ def choose_replica(
     candidates: Sequence[ReplicaView],
     config: PolicyConfig,
     rng: random.Random,
+    cluster: ClusterLoad | None = None,
 ) -> Decision:
     """Pick the replica for ``request`` among ``candidates``.
+
+    ``cluster``: the aggregates of a larger candidate set of which ``candidates`` holds,
+    in that set's order, every candidate that can be chosen or tie
+    (``routing.contenders.contenders``): the rules then read the load bound, the busy
+    weight and the eviction condition from it, and the decision is the one over the
+    whole set (``costs`` and ``scores`` cover ``candidates`` only).  None: ``candidates``
+    is the whole set.
 
     Raises:
         ValueError: no candidates, or a non-positive ``block_size``.
     """
-    n = len(candidates)
-    if n == 0:
+    if not candidates:
         raise ValueError("choose_replica needs at least one candidate")
+    n = len(candidates) if cluster is None else cluster.candidates
     bs = request.block_size
     if bs <= 0:
         raise ValueError(f"block_size must be positive, got {bs}")
@@ -354,6 +387,9 @@ def choose_replica(
         if v.free_blocks is not None and (prompt - g) // bs <= max(v.free_blocks, 0):
             fits_somewhere = True
     longest = max(cached)
+    if cluster is not None:
+        least_queued, least_queued_free = cluster.least_queued, cluster.least_queued_free
+        fits_somewhere = cluster.fits_somewhere
     weight = config.uncached_weight
     if config.busy_cluster_weight and prompt > 0:
         busy = least_queued_free if free else least_queued
@@ -374,9 +410,9 @@ def choose_replica(
     if n == 1:
         chosen, reason = 0, "only_candidate"
     elif not free:
-        chosen, reason = _lowest(range(n), scores, rng), "all_saturated"
+        chosen, reason = _lowest(range(len(candidates)), scores, rng), "all_saturated"
     else:
-        total_load = sum(inflights)
+        total_load = sum(inflights) if cluster is None else cluster.total_inflight
         bound = max(math.ceil((1.0 + config.load_epsilon) * (total_load + 1) / n), config.load_floor)
         eligible = [i for i in free if inflights[i] < bound] or free
         best_eligible = max([cached[i] for i in eligible])
@@ -406,4 +442,5 @@ def choose_replica(
         costs=dict(zip(ids, costs, strict=True)),
         scores=dict(zip(ids, scores, strict=True)),
         host_tokens=host_tokens,
+        candidates=n,
     )

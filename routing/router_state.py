@@ -54,7 +54,11 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+import numpy as np
+
 from routing import defaults
+from routing.candidate_set import Candidate, CandidateSet, with_adapter
+from routing.contenders import CandidateArrays, contenders
 from routing.feed import FeedState, ReplicaFeed
 from routing.index import CLEAR_STEP_SLOTS, SNAPSHOT_STEP_KEYS, BlockIndex
 from routing.key_events import KeyEventBatch, KeySnapshot
@@ -62,9 +66,14 @@ from routing.policy import Decision, PolicyConfig, ReplicaView, RoutingRequest, 
 from routing.staleness import owed_after_send, stalled
 from routing.tiers import HOST_LINK_BYTES_PER_S, TIER_LABELS, Tier, host_hit_blocks
 
-__all__ = ["Candidate", "RequestRecord", "RouteRequest", "Routed", "RouterState", "SnapshotJob", "with_adapter"]
+__all__ = ["ARRAY_PATH_CANDIDATES", "Candidate", "CandidateSet", "RequestRecord", "RouteRequest", "Routed",
+           "RouterState", "SnapshotJob", "with_adapter"]
 
 _NO_STATS: Mapping[str, Any] = MappingProxyType({})
+ARRAY_PATH_CANDIDATES = 32
+"""From this many candidates on, ``choose`` scores them all in arrays (``routing.contenders``; the columns
+cached on a ``CandidateSet``) and builds a view only for those that can win; below it, a view each is
+cheaper."""
 MAX_RECORDS = 100_000
 """Records kept at most: past it the oldest goes, accounting included, whether in flight or chosen but
 never sent (a request Serve never completed)."""
@@ -76,36 +85,6 @@ millisecond; half that measured worse in ``bench/owner_loop.py``, the steps' ove
 CLEAR_CHUNK_SLOTS = CLEAR_STEP_SLOTS
 """Table slots a replica clear scans per step between requests (``routing.index.CLEAR_STEP_SLOTS``: about
 half a millisecond)."""
-
-
-@dataclass(slots=True)
-class Candidate:
-    """A candidate replica as the request router sees it.
-
-    Attributes:
-        replica_id: the replica's id.
-        routing_stats: its last reported stats (``num_running``, ``num_waiting``,
-            ``kv_cache_usage``, ``num_gpu_blocks``; with a host tier
-            ``num_host_blocks``, ``kv_bytes_per_token`` and
-            ``host_blocks_per_chunk``), or None before the first report.
-        max_ongoing_requests: the per-replica concurrency cap, or None.
-    """
-
-    replica_id: str
-    routing_stats: Mapping[str, Any] | None
-    max_ongoing_requests: int | None
-
-
-def with_adapter(candidates: Sequence[Candidate], lora_name: str | None,
-                 stats_key: str = "lora_adapters") -> list[Candidate]:
-    """The candidates whose engines have ``lora_name`` loaded (listed under ``stats_key``
-    in their routing stats), or all of them when none has it or the request names no
-    adapter: a replica without the adapter would first load it from disk.
-    """
-    if lora_name is None:
-        return list(candidates)
-    having = [c for c in candidates if lora_name in ((c.routing_stats or {}).get(stats_key) or ())]
-    return having or list(candidates)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +165,7 @@ class ReplicaEntry:
         queued_prefill_tokens: the sum of their ``queued_tokens``.
         owed_since: when the first request still owed a ``BlockStored`` went
             out (``routing.staleness``), None if none is owed.
+        pos: its row in the router's load columns (``RouterState.refresh_load``).
     """
 
     replica_id: str
@@ -194,6 +174,7 @@ class ReplicaEntry:
     queued: dict[str, RequestRecord] = field(default_factory=dict)
     queued_prefill_tokens: int = 0
     owed_since: float | None = None
+    pos: int = 0
 
 
 @dataclass(slots=True)
@@ -256,6 +237,16 @@ class RouterState:
         self.last_lag_s = 0.0
         self.max_lag_s = 0.0
         self._generation = 0
+        # Load columns, one row per replica entry (row 0: no entry, all zero), for ``choose``'s array
+        # path: in-flight requests, queued prefill tokens, owed_since (NaN: none).  ``_sync`` keeps a
+        # row equal to its entry after every change of the entry.
+        self._inflight = np.zeros(64, dtype=np.int64)
+        self._queued = np.zeros(64, dtype=np.int64)
+        self._owed = np.full(64, np.nan)
+        self._free_rows: list[int] = []
+        self._next_row = 1
+        self._table_version = 0
+        self._token = object()  # whose rows a CandidateSet's cached positions are
 
     # ------------------------------------------------------------------ replica table
 
@@ -263,8 +254,38 @@ class RouterState:
         """The replica is a candidate (known to Serve); a no-op if it is in the table."""
         entry = self.replicas.get(replica_id)
         if entry is None:
-            entry = self.replicas[replica_id] = ReplicaEntry(replica_id)
+            entry = self.replicas[replica_id] = ReplicaEntry(replica_id, pos=self._take_row())
+            self._table_version += 1
         return entry
+
+    def _take_row(self) -> int:
+        if self._free_rows:
+            return self._free_rows.pop()
+        row = self._next_row
+        self._next_row += 1
+        if row >= len(self._inflight):
+            size = 2 * len(self._inflight)
+            self._inflight = np.resize(self._inflight, size)
+            self._queued = np.resize(self._queued, size)
+            self._owed = np.resize(self._owed, size)
+            self._inflight[row:] = self._queued[row:] = 0
+            self._owed[row:] = np.nan
+        return row
+
+    def _sync(self, entry: ReplicaEntry) -> None:
+        """The entry's load row after a change of the entry."""
+        row = entry.pos
+        self._inflight[row] = len(entry.requests)
+        self._queued[row] = entry.queued_prefill_tokens
+        self._owed[row] = np.nan if entry.owed_since is None else entry.owed_since
+
+    def refresh_load(self, replica_id: str) -> None:
+        """Re-read a replica's load into the columns ``choose`` scores from, after its entry's
+        ``requests`` / ``queued_prefill_tokens`` were changed directly (a benchmark's set-up;
+        this class's own methods keep them in step)."""
+        entry = self.replicas.get(replica_id)
+        if entry is not None:
+            self._sync(entry)
 
     def follow(self, replica_id: str, events_endpoint: str, snapshot_endpoint: str, now: float) -> bool:
         """Follow the replica's relay (again, from a snapshot, if its endpoints changed).
@@ -286,6 +307,7 @@ class RouterState:
             entry.queued.clear()
             entry.owed_since = None
             entry.feed = None
+            self._sync(entry)
         if not self.index.add_replica(replica_id):  # no index slot free: tried again on the next follow
             return False
         self._generation += 1
@@ -311,6 +333,11 @@ class RouterState:
             for record in entry.requests.values():
                 record.queued = False
                 record.queued_tokens = 0
+            row = entry.pos
+            self._inflight[row] = self._queued[row] = 0
+            self._owed[row] = np.nan
+            self._free_rows.append(row)
+            self._table_version += 1
         self.index.remove_replica(replica_id)
 
     def feed(self, replica_id: str) -> ReplicaFeed[KeyEventBatch] | None:
@@ -435,43 +462,109 @@ class RouterState:
             raise KeyError(f"no request recorded as {route_id!r}")
         req = record.request
         assert req is not None
-        keys = req.keys
+        if self.policy.no_match_choices or len(candidates) < ARRAY_PATH_CANDIDATES:
+            decision = self._choose_by_views(req, candidates, now)
+        else:
+            cset = candidates if isinstance(candidates, CandidateSet) else CandidateSet(candidates)
+            decision = self._choose_in_arrays(req, cset, now)
+        record.decision = decision
+        record.fallback = None
+        return decision
+
+    def _choose_by_views(self, req: RouteRequest, candidates: Sequence[Candidate], now: float) -> Decision:
+        """One ``ReplicaView`` per candidate, then the policy."""
         uids = tuple(c.replica_id for c in candidates)
         if req.bypass_cache:
             matches: Mapping[str, tuple[int, int]] = dict.fromkeys(uids, (0, 0))
         else:
-            matches = self.index.match_tiers(keys, uids, now)
-        # One ReplicaView per candidate (positional: this loop is most of a decision's Python time).
-        held_blocks, table, stale_s = self.index.replica_blocks, self.replicas, self.stale_events_s
+            matches = self.index.match_tiers(req.keys, uids, now)
+        table = self.replicas
         views = []
         for c in candidates:
-            uid = c.replica_id
-            stats = c.routing_stats or _NO_STATS
-            matched, host_end = matches[uid]
-            entry = table.get(uid)
-            if host_end and entry is not None and entry.owed_since is not None \
-                    and stalled(entry.owed_since, now, self._last_event_at(entry), stale_s):
-                self.stale_fallbacks += 1
+            matched, host_end = matches[c.replica_id]
+            entry = table.get(c.replica_id)
+            if host_end and self._stalled(entry, now):
                 matched = host_end = 0
-            capacity = stats.get("num_gpu_blocks")
-            host, host_price = 0, None
-            if stats.get("num_host_blocks") and stats.get("kv_bytes_per_token"):
-                host_price = float(stats["kv_bytes_per_token"]) / self.host_link_bytes_per_s
-                if host_end > matched:
-                    host = host_hit_blocks(matched, host_end, int(stats.get("host_blocks_per_chunk") or 1))
-            views.append(ReplicaView(
-                uid, matched, len(entry.requests) if entry is not None else 0,
-                entry.queued_prefill_tokens if entry is not None else 0,
-                stats.get("num_running"), stats.get("num_waiting"), stats.get("kv_cache_usage"),
-                c.max_ongoing_requests,
-                # vLLM's num_gpu_blocks counts the null block, which never caches.
-                None if not capacity else int(capacity) - 1 - held_blocks(uid),
-                host, host_price,
-            ))
-        decision = choose_replica(RoutingRequest(req.prompt_tokens, req.block_size), views, self.policy, self.rng)
-        record.decision = decision
-        record.fallback = None
-        return decision
+            views.append(self._view(c, matched, host_end, entry))
+        return choose_replica(RoutingRequest(req.prompt_tokens, req.block_size), views, self.policy, self.rng)
+
+    def _stalled(self, entry: ReplicaEntry | None, now: float) -> bool:
+        """The replica owes events for too long: its blocks do not count (counted in ``stale_fallbacks``).
+        One whose events caught up is marked owing nothing (``owed_after_send`` and ``stalled`` read
+        that as they read an event after ``owed_since``), so the array path looks at it no more."""
+        if entry is None or entry.owed_since is None:
+            return False
+        last = self._last_event_at(entry)
+        if stalled(entry.owed_since, now, last, self.stale_events_s):
+            self.stale_fallbacks += 1
+            return True
+        if last is not None and last >= entry.owed_since:
+            entry.owed_since = None
+            self._sync(entry)
+        return False
+
+    def _view(self, c: Candidate, matched: int, host_end: int, entry: ReplicaEntry | None) -> ReplicaView:
+        """The policy's view of one candidate (its stats, this router's accounting, the index's answer)."""
+        uid = c.replica_id
+        stats = c.routing_stats or _NO_STATS
+        capacity = stats.get("num_gpu_blocks")
+        host, host_price = 0, None
+        if stats.get("num_host_blocks") and stats.get("kv_bytes_per_token"):
+            host_price = float(stats["kv_bytes_per_token"]) / self.host_link_bytes_per_s
+            if host_end > matched:
+                host = host_hit_blocks(matched, host_end, int(stats.get("host_blocks_per_chunk") or 1))
+        return ReplicaView(
+            uid, matched, len(entry.requests) if entry is not None else 0,
+            entry.queued_prefill_tokens if entry is not None else 0,
+            stats.get("num_running"), stats.get("num_waiting"), stats.get("kv_cache_usage"),
+            c.max_ongoing_requests,
+            # vLLM's num_gpu_blocks counts the null block, which never caches.
+            None if not capacity else int(capacity) - 1 - self.index.replica_blocks(uid),
+            host, host_price,
+        )
+
+    def _rows(self, cset: CandidateSet) -> tuple[np.ndarray, list[ReplicaEntry | None]]:
+        """The candidates' load rows (0: no entry) and entries, cached on the set until the table changes."""
+        cached = cset.positions
+        if cached is not None and cached[0] is self._token and cached[1] == self._table_version:
+            return cached[2], cached[3]
+        entries = [self.replicas.get(uid) for uid in cset.uids]
+        rows = np.array([e.pos if e is not None else 0 for e in entries], dtype=np.int64)
+        cset.positions = (self._token, self._table_version, rows, entries)
+        return rows, entries
+
+    def _choose_in_arrays(self, req: RouteRequest, cset: CandidateSet, now: float) -> Decision:
+        """Every candidate scored in arrays (``routing.contenders``), a view only for those that can win."""
+        rows, entries = self._rows(cset)
+        n = len(cset)
+        if req.bypass_cache:
+            gpu, host_end = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        else:
+            found = self.index.match_tiers(req.keys, cset.uids, now)
+            gpu = np.fromiter((found[u][0] for u in cset.uids), dtype=np.int64, count=n)
+            host_end = np.fromiter((found[u][1] for u in cset.uids), dtype=np.int64, count=n)
+        owed = self._owed[rows]
+        # Only a replica owing events since before now - stale_events_s can be stalled (NaN: owes none).
+        for i in np.flatnonzero((host_end > 0) & (owed < now - self.stale_events_s + 1e-6)):
+            if self._stalled(entries[i], now):
+                gpu[i] = host_end[i] = 0
+        host = np.zeros(n, dtype=np.int64)
+        host_price = cset.kv_bytes_per_token / self.host_link_bytes_per_s
+        if cset.has_host_tier:
+            k = cset.host_chunk
+            whole = host_end // k * k - gpu
+            hit = np.where(k <= 1, host_end - gpu, np.where(whole >= k, whole, 0))
+            host = np.where((host_price > 0) & (host_end > gpu), np.maximum(hit, 0), 0)
+        free_blocks = cset.capacity.copy()
+        for i in np.flatnonzero(~np.isnan(free_blocks)):
+            free_blocks[i] -= self.index.replica_blocks(cset.uids[i])
+        inflight, queued = self._inflight[rows], self._queued[rows]
+        arrays = CandidateArrays(gpu, host, inflight, queued, cset.running, cset.waiting, cset.kv_usage,
+                                 cset.max_ongoing, free_blocks, host_price)
+        picks, load = contenders(req.prompt_tokens, req.block_size, arrays, self.policy)
+        views = [self._view(cset[i], int(gpu[i]), int(host_end[i]), entries[i]) for i in picks.tolist()]
+        return choose_replica(RoutingRequest(req.prompt_tokens, req.block_size), views, self.policy, self.rng,
+                              cluster=load)
 
     def note_fallback(self, route_id: str, reason: str, request: RouteRequest | None, started_ns: int = 0) -> None:
         """The request is routed without a score (``reason``: the decision record's)."""
@@ -507,6 +600,7 @@ class RouterState:
         record.replica_id = replica_id
         entry.requests[route_id] = record
         if req is None or decision is None:  # not a generate call, or routed without a score
+            self._sync(entry)
             reason = record.fallback or "unscored"
             return Routed(replica_id, reason, 0, req.prompt_tokens if req is not None else 0)
         keys, prompt_len, bs = req.keys, req.prompt_tokens, req.block_size
@@ -525,6 +619,7 @@ class RouterState:
         predicted += host
         record.queued_tokens = max(0, req.total_prefill_tokens - predicted)
         entry.queued_prefill_tokens += record.queued_tokens
+        self._sync(entry)
         reason = decision.reason if replica_id == decision.replica_id else "fallthrough"
         return Routed(replica_id, reason, predicted, prompt_len, host)
 
@@ -551,7 +646,7 @@ class RouterState:
             "prefill_tokens": req.total_prefill_tokens if req is not None else 0,
             "queued_prefill_tokens": record.queued_tokens if record is not None else 0,
             "bypass_cache": bool(req is not None and req.bypass_cache),
-            "candidates": len(decision.costs) if decision else 0,
+            "candidates": decision.candidates if decision else 0,
             "index_staleness_s": self.staleness_s(uid, now),
             **(extra or {}),
         }
@@ -590,6 +685,7 @@ class RouterState:
         if self.release_prefill_at_first_token and record.queued_tokens:
             entry.queued_prefill_tokens -= record.queued_tokens
             record.queued_tokens = 0
+            self._sync(entry)
         self._end_queued(record, entry, now)
 
     def completed(self, route_id: str, now: float, replica_id: str | None = None) -> None:
@@ -621,6 +717,7 @@ class RouterState:
         if entry is not None:
             entry.queued_prefill_tokens -= record.queued_tokens
             entry.requests.pop(record.route_id, None)
+            self._sync(entry)
             if now is not None:
                 self._end_queued(record, entry, now)
             else:

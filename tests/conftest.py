@@ -43,8 +43,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         return
     import routing._blocktable
     import routing._chain
+    import routing._contenders
 
-    for module in (routing._blocktable, routing._chain):
+    for module in (routing._blocktable, routing._chain, routing._contenders):
         where = Path(module.__file__ or "").resolve()
         if not where.is_relative_to(Path(want).resolve()):
             raise pytest.UsageError(f"{module.__name__} was imported from {where}, not from {want}")

@@ -12,6 +12,7 @@ import random
 import struct
 from array import array
 
+import numpy as np
 import pytest
 import xxhash
 
@@ -565,6 +566,10 @@ def test_walk_matches_the_per_replica_count(trial: int) -> None:
     assert got == want
     assert end == max(want.values(), default=0)
     assert [i for i, _ in drops] == sorted(i for i, _ in drops)
+    out = np.full(MAX_REPLICAS, -7, dtype=np.int32)  # the per-replica form: the same counts, others untouched
+    assert table.walk(keys, alive, out) == (None, end)
+    assert {1 << r: int(out[r]) for r in range(MAX_REPLICAS) if alive >> r & 1} == want
+    assert all(out[r] == -7 for r in range(MAX_REPLICAS) if not alive >> r & 1)
 
 
 def test_walk_accepts_ints_and_uint64_bytes() -> None:
@@ -584,6 +589,33 @@ def test_walk_accepts_ints_and_uint64_bytes() -> None:
     assert table.walk([], 0b11) == ([(0, 0b11)], 0)
     assert table.walk([10], 0) == ([], 0)
     assert table.walk([99], 0b1) == ([(0, 0b1)], 0)
+
+
+def test_walk_tiers_into_arrays_gives_the_drops_answer() -> None:
+    gpu, host = BlockTable(), BlockTable()
+    gpu.add([1, 2, 3], 0, 100)
+    gpu.add([1], 5, 100)
+    host.add([2, 3, 4], 5, 100)
+    host.add([4], 0, 100)
+    alive = 1 | 1 << 5 | 1 << 9
+    drops, host_drops = gpu.walk_tiers([1, 2, 3, 4, 5], alive, host)
+    out, host_out = np.zeros(MAX_REPLICAS, np.int32), np.zeros(MAX_REPLICAS, np.int32)
+    assert gpu.walk_tiers([1, 2, 3, 4, 5], alive, host, out, host_out) == (None, None)
+    for found, into in ((drops, out), (host_drops, host_out)):
+        for i, bits in found:
+            assert all(into[r] == i for r in range(MAX_REPLICAS) if bits >> r & 1)
+    assert (out[0], out[5], out[9]) == (3, 1, 0) and (host_out[0], host_out[5], host_out[9]) == (4, 4, 0)
+
+
+@pytest.mark.parametrize("bad", [np.zeros(MAX_REPLICAS, np.int64), np.zeros(MAX_REPLICAS - 1, np.int32),
+                                 np.zeros(MAX_REPLICAS, np.float32), b"\0" * (4 * MAX_REPLICAS)])
+def test_walk_refuses_an_out_it_cannot_write_int32_into(bad) -> None:
+    table = BlockTable()
+    table.add([1], 0, 10)
+    with pytest.raises((TypeError, BufferError)):
+        table.walk([1], 1, bad)
+    with pytest.raises(TypeError, match="both"):
+        table.walk_tiers([1], 1, BlockTable(), np.zeros(MAX_REPLICAS, np.int32))
 
 
 def reference_chain(raw: bytes, piece: int, seed: int, tail: bytes) -> list[int]:

@@ -19,7 +19,7 @@ from bench.stats import percentile
 from routing.block_keys import block_keys
 from routing.index import BlockIndex
 from routing.key_events import KeysStored, decode_key_frames, keys_from_bytes, keys_to_bytes
-from routing.router_state import Candidate, RequestRecord, RouteRequest, RouterState
+from routing.router_state import Candidate, CandidateSet, RequestRecord, RouteRequest, RouterState
 from routing.tiers import Tier
 
 WARMUP_LOOKUPS = 50
@@ -101,6 +101,7 @@ def _router_under_load(index: BlockIndex, replicas: tuple[str, ...], prompt_len:
                                    queued_tokens=rng.choice((0, rng.randrange(1, 4096))))
             entry.requests[record.route_id] = record
             entry.queued_prefill_tokens += record.queued_tokens
+        router.refresh_load(rid)
         stats[rid] = {"num_running": len(entry.requests), "num_waiting": rng.randrange(2),
                       "kv_cache_usage": rng.random()}
         if host_tier:  # a 32 GiB tier of Qwen2.5-7B's 57,344-byte tokens, as app.engine reports it
@@ -110,15 +111,20 @@ def _router_under_load(index: BlockIndex, replicas: tuple[str, ...], prompt_len:
 
 def _our_lookup(router: RouterState, feeds: list[Any], stats: dict[str, dict], replicas: tuple[str, ...],
                 block_size: int, prompt_len: int, blind_window: bool, tally: _Tally) -> Side:
-    """Our side: ``block_keys`` of the prompt, one ``Candidate`` per replica (its routing
-    stats and ``max_ongoing_requests``), the replicas' last-event times and
+    """Our side: ``block_keys`` of the prompt and ``RouterState.choose`` over one ``CandidateSet``
+    of the replicas (their routing stats and ``max_ongoing_requests``), built once as the live
+    router builds one per list Serve hands it (``routing.candidate_set``: a new list only when a
+    replica or its stats change); with the replicas' last-event times,
     ``RouterState.choose`` (``BlockIndex.match``, which first retires expired
-    blind-window predictions; one ``ReplicaView`` per candidate from the router's
-    in-flight accounting; ``choose_replica``).  With ``blind_window``, timed apart
+    blind-window predictions; from 32 candidates on every one scored in arrays,
+    ``routing.contenders``, and a ``ReplicaView`` only for those that can win, else one
+    each; ``choose_replica``).  With ``blind_window``, timed apart
     as ``routed``: ``RouterState.routed`` (the blind-window prediction of the
     prompt's blocks on the chosen replica, the in-flight entry), then
     ``completed``; requests arrive every ``REQUEST_INTERVAL_S`` of simulated time,
     so predictions expire inside later lookups as they would."""
+
+    cset = CandidateSet([Candidate(rid, stats[rid], 64) for rid in replicas])
 
     def ours(i: int, tokens: Sequence[int]) -> None:
         # A fresh array('I'), as the ingress hands token ids to the router
@@ -132,8 +138,7 @@ def _our_lookup(router: RouterState, feeds: list[Any], stats: dict[str, dict], r
         route_id = str(i)
         t0 = time.perf_counter_ns()
         keys = block_keys(prompt, block_size)
-        candidates = [Candidate(rid, stats[rid], 64) for rid in replicas]
-        decision = router.choose(route_id, RouteRequest(keys, len(prompt), block_size), candidates, now)
+        decision = router.choose(route_id, RouteRequest(keys, len(prompt), block_size), cset, now)
         t1 = time.perf_counter_ns()
         if blind_window:
             router.routed(route_id, decision.replica_id, now)
