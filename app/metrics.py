@@ -32,9 +32,11 @@ ROUTING_SECONDS = Histogram(
     "prefix_serve_router_decision_seconds", "Time to key, look up and score one request",
     buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2),
 )
-INDEXED_BLOCKS = Gauge("prefix_serve_index_blocks", "Block keys held in the router's index on GPU")
+INDEXED_BLOCKS = Gauge("prefix_serve_index_blocks", "Block keys held in the router's index on GPU (a key counts "
+                       "once per group of 128 engine replicas holding it)")
 INDEXED_HOST_BLOCKS = Gauge("prefix_serve_index_host_blocks",
-                            "Block keys held in the router's index in engines' host-memory KV tiers")
+                            "Block keys held in the router's index in engines' host-memory KV tiers (once per "
+                            "group of 128 engine replicas holding them)")
 INDEX_BYTES = Gauge("prefix_serve_index_bytes", "Approximate memory of the router's index in bytes")
 EVENT_LAG = Gauge("prefix_serve_kv_event_lag_seconds", "Publish-to-apply lag of the last KV event batch")
 EVENT_COUNTERS = Gauge("prefix_serve_kv_events", "Event-path counters (cumulative), errors as errors_<cause>", ["kind"])

@@ -8,32 +8,47 @@ offloading tier, ``routing.tiers``), and answers "how many leading blocks of
 this prompt does each replica hold on GPU, and how far do its host-memory
 blocks carry that?".  It hashes nothing: the relays computed the keys.
 
-Data model (each replica owns one slot, 0 to ``MAX_REPLICAS - 1`` = 127, and
-its bit in a fixed-width mask; slots are recycled once cleared, see below), in
-one ``routing._blocktable.BlockTable`` (C: one generic open-addressing table,
-24-byte slots, load factor at most 1/2; a Python dict costs about three cache
-misses a lookup at 10^5 keys, which made the prompt walk memory-bound):
+Data model.  Each followed replica owns one slot, 0 to ``max_replicas - 1``
+(default ``MAX_REPLICAS`` = 1,024; slots are recycled once cleared, see below).
+Slots come in *groups* of ``GROUP_REPLICAS`` (128, the width of the C table's
+mask): slot ``s`` is bit ``s % 128`` of group ``s // 128``.  Each group has
+its own pair of ``routing._blocktable.BlockTable`` (C: one generic
+open-addressing table, 24-byte slots, load factor at most 1/2; a Python dict
+costs about three cache misses a lookup at 10^5 keys, which made the prompt
+walk memory-bound), created when the group's first slot is taken:
 
-* ``holders: key -> mask`` — the replicas holding the block, really or by
-  prediction, as a 128-bit mask in the slot (no Python object, no reference
-  count), so the walk skips runs of blocks with the same holders by comparing
-  two words.
-* ``predicted: (key, replica slot) -> until`` — the replicas' bits in
+* ``holders: key -> mask`` — the group's replicas holding the block, really
+  or by prediction, as a 128-bit mask in the slot (no Python object, no
+  reference count), so the walk skips runs of blocks with the same holders by
+  comparing two words.
+* ``predicted: (key, replica bit) -> until`` — the replicas' bits in
   ``holders`` that are only predicted, with their expiry (a replica's bit is
   never both real and predicted for one key).
-* ``host: key -> mask`` — the replicas holding the block in host memory, in a
-  second ``BlockTable`` of the same layout (no predictions: routing predicts
-  GPU blocks).  Empty, and never probed, while no replica has a host tier.
+* ``host: key -> mask`` — the group's replicas holding the block in host
+  memory, in a second ``BlockTable`` of the same layout (no predictions:
+  routing predicts GPU blocks).  Empty, and never probed, while no replica of
+  the group has a host tier.
 * per replica, only its slot and the count of keys it really holds on each
   tier: the relay keeps the engine-side detail (engine hashes, physical
   copies), so a (replica, block, tier) entry costs the index one bit of a
-  shared mask, and a slot is shared by every replica holding the key there.
+  shared mask, and a table slot is shared by every replica of the group
+  holding the key there.
+
+So a key held only by replicas of one group costs one table slot; one held by
+replicas of ``k`` groups costs ``k`` slots (one per group): bounded by its
+holders, never by the cluster's size.  Slots are taken lowest free first, so
+groups fill compactly (128 replicas or fewer: one group, the one-table index
+of old).  ``num_keys`` / ``num_host_keys`` count a key once per group holding
+it.
 
 Every ingest and lookup loop is in C (``BlockTable.add`` / ``remove`` /
-``walk`` / ``walk_tiers`` / ``predict`` / ``expire``); keys arrive as the wire's uint64 bytes
-and are never turned into Python ints.  A replica past ``MAX_REPLICAS`` is
-refused by ``add_replica`` (counted, ``stats.replicas_refused``): it is routed
-by load only.
+``walk`` / ``walk_tiers`` / ``predict`` / ``expire``); keys arrive as the wire's
+uint64 bytes and are never turned into Python ints.  A lookup walks the
+prompt once per group that has candidates (a group none of whose candidates
+holds the first block stops at it), and answers from the per-group drops; the
+candidates' groups, masks and bit -> replica maps are cached per candidate
+tuple.  A replica past ``max_replicas`` is refused by ``add_replica``
+(counted, ``stats.replicas_refused``): it is routed by load only.
 
 Hygiene: a replica is known from ``add_replica`` (the router follows it) to
 ``remove_replica``; key events and predictions for any other replica are
@@ -47,31 +62,38 @@ Blind window: between routing a request and the replica's ``KeysStored``
 arriving, ``predict`` records the prompt's blocks as held with a TTL; a real
 ``KeysStored`` confirms them, expiry retires unconfirmed ones.
 
-Slots and deferred clears: dropping a replica's entries takes a pass over the
-tables (about 25 ns a slot; tens of ms at millions of keys), so the router's
-event loop never waits behind one.  ``remove_replica`` detaches the replica at
-once (gone from ``replicas()``, its events dropped, its entries out of
-``num_replica_blocks``) and *retires* its slot; ``clear_replica`` (every tier)
-moves the replica to a fresh slot and retires the old one; a chunked snapshot
-(``begin_snapshot`` / ``snapshot_step`` / ``finish_snapshot``) loads into a spare
-(shadow) slot while lookups keep answering from the replica's current one, and
-retires that at the swap.  Retired slots are cleared in steps by ``clear_step``
+Slots and deferred clears: dropping a replica's entries takes a pass over its
+group's tables (about 25 ns a slot; tens of ms at millions of keys), so the
+router's event loop never waits behind one.  ``remove_replica`` detaches the
+replica at once (gone from ``replicas()``, its events dropped, its entries out
+of ``num_replica_blocks``) and *retires* its slot; ``clear_replica`` (every
+tier) moves the replica to a fresh slot (perhaps in another group) and retires
+the old one; a chunked snapshot (``begin_snapshot`` / ``snapshot_step`` /
+``finish_snapshot``) loads into a spare (shadow) slot while lookups keep
+answering from the replica's current one, and retires that at the swap.
+Retired slots are cleared in steps by ``clear_step``
 (``BlockTable.clear_replica_part``, resumable across any other change) and reused
 only once clean; their bits are in no lookup's mask meanwhile, but their keys
-still count in ``num_keys`` / ``num_host_keys`` / ``memory_bytes``.  Tables of at
-most ``inline_clear_slots`` slots are cleared at once instead (as cheap as a
-step).  ``add_replica`` finishes a retired slot's clear inline rather than
-refuse a replica.
+still count in ``num_keys`` / ``num_host_keys`` / ``memory_bytes``.  A clear
+scans only the tables of the retired slot's group: the keys its 128 slots hold,
+not the cluster's.  Tables of at most ``inline_clear_slots`` slots are cleared
+at once instead (as cheap as a step).  ``add_replica`` finishes a retired
+slot's clear inline rather than refuse a replica.
 
-Costs: ``apply_keys`` O(keys in the batch); ``match`` O(prompt blocks);
-``memory_bytes`` and every counter O(1); ``remove_replica``, ``clear_replica``
-(every tier, a free slot left) and ``begin_snapshot`` / ``finish_snapshot`` O(1)
+Costs: ``apply_keys`` O(keys in the batch); ``match`` / ``match_tiers``
+O(prompt blocks matched per group with candidates + candidates);
+``match_held`` the same, with Python work only for the candidates that hold
+something; ``memory_bytes``, ``num_keys``, ``num_host_keys`` O(groups); every
+other counter O(1); ``remove_replica``, ``clear_replica`` (every tier, a free
+slot left) and ``begin_snapshot`` / ``finish_snapshot`` O(1)
 (``finish_snapshot`` loads what ``snapshot_step`` has not, and with no spare slot
-loads in place: O(keys + table)); ``clear_step(n)`` / ``snapshot_step(load, n)``
-O(n) (defaults ``CLEAR_STEP_SLOTS``, ``SNAPSHOT_STEP_KEYS``: about 1 ms each at
-millions of keys); ``load_snapshot``, a tier's ``clear_replica`` and
-``add_replica`` reclaiming a retired slot one pass (rare).  A table that grows
-or shrinks rehashes in one pass, inside whichever call crosses the bound.
+loads in place: O(keys + group's table)); ``clear_step(n)`` /
+``snapshot_step(load, n)`` O(n) (defaults ``CLEAR_STEP_SLOTS``,
+``SNAPSHOT_STEP_KEYS``: about 1 ms each at millions of keys); ``load_snapshot``,
+a tier's ``clear_replica`` and ``add_replica`` reclaiming a retired slot one
+pass over a group's tables (rare).  A table that grows or shrinks rehashes in
+one pass, inside whichever call crosses the bound.  A group's tables cost
+about 6 KB empty; they stay once created.
 
 Time is passed in (``now``, seconds on any clock the caller uses
 consistently); nothing here reads the clock.  Not thread-safe: use from one
@@ -86,16 +108,22 @@ import heapq
 import math
 import secrets
 import sys
+from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 
 from routing import defaults
-from routing._blocktable import MAX_REPLICAS, BlockTable
+from routing._blocktable import MAX_REPLICAS as GROUP_REPLICAS
+from routing._blocktable import BlockTable
 from routing.key_events import AllKeysCleared, KeyEvent, KeysRemoved, KeysStored, keys_from_bytes
 from routing.tiers import Tier
 
-__all__ = ["CLEAR_STEP_SLOTS", "MAX_REPLICAS", "SNAPSHOT_STEP_KEYS", "BlockIndex", "IndexStats", "SnapshotLoad"]
+__all__ = ["CLEAR_STEP_SLOTS", "GROUP_REPLICAS", "MAX_REPLICAS", "SNAPSHOT_STEP_KEYS", "BlockIndex", "IndexStats",
+           "SnapshotLoad"]
+
+MAX_REPLICAS = 1024
+"""Default cap on the replicas a ``BlockIndex`` follows (``max_replicas``): 8 groups of ``GROUP_REPLICAS``."""
 
 CLEAR_STEP_SLOTS = 32_768
 """Default slots of table a ``BlockIndex.clear_step`` scans (an entry it erases counts one more):
@@ -106,6 +134,9 @@ from 4 M slots)."""
 SNAPSHOT_STEP_KEYS = 16_384
 """Default keys a ``BlockIndex.snapshot_step`` loads: about 0.7 ms, 1.1 ms at worst, at 2 M keys
 (a step whose keys make the table grow rehashes it: tens of ms at millions of keys)."""
+
+_FEW_BITS = 6
+"""Drops of at most this many replicas are spread bit by bit; larger ones byte by byte (``_Part``)."""
 
 
 @dataclass(slots=True)
@@ -142,7 +173,7 @@ class IndexStats:
     predictions_expired: int = 0
     """Predicted blocks retired unconfirmed."""
     replicas_refused: int = 0
-    """``add_replica`` calls refused because ``MAX_REPLICAS`` replicas were followed."""
+    """``add_replica`` calls refused because ``max_replicas`` replicas were followed."""
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict (for metrics export)."""
@@ -183,17 +214,162 @@ def _chunkable(keys: bytes | Sequence[int]) -> tuple[memoryview | Sequence[int],
 _FORMAT_CHECK = BlockTable()
 
 
+def _key_buffer(keys: Sequence[int]) -> Sequence[int]:
+    """A prompt's keys as one buffer when they are a list or tuple of ints, so that walking them over
+    several groups converts them once (the C walk copies a buffer and converts a sequence per call)."""
+    return array("Q", keys) if isinstance(keys, (list, tuple)) else keys
+
+
+class _Group:
+    """Slots ``number * GROUP_REPLICAS`` to ``(number + 1) * GROUP_REPLICAS - 1``: their GPU and host tables."""
+
+    __slots__ = ("number", "holders", "host")
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.holders = BlockTable(seed=secrets.randbits(64))
+        self.host = BlockTable(seed=secrets.randbits(64))
+
+    def table(self, tier: int) -> BlockTable:
+        return self.host if tier == Tier.HOST else self.holders
+
+    def clear_cost(self, gpu: bool, host: bool) -> int:
+        """Slots a clear of one of the group's slots scans, on the GPU and / or host tables."""
+        return sum(t.capacity + t.prediction_capacity for t, on in ((self.holders, gpu), (self.host, host)) if on)
+
+
+class _Part:
+    """One group's share of a candidate tuple: the group, its candidates' mask (``alive``), bit ->
+    replica id, and the replicas of each byte value of a mask (filled as drops need them)."""
+
+    __slots__ = ("group", "alive", "rid_of_bit", "rids", "_bytes")
+
+    def __init__(self, group: _Group) -> None:
+        self.group = group
+        self.alive = 0
+        self.rid_of_bit: dict[int, str] = {}
+        self.rids: tuple[str, ...] = ()
+        self._bytes: list[dict[int, tuple[str, ...]]] | None = None
+
+    def spread(self, out: dict, bits: int, value: object) -> None:
+        """``out[rid] = value`` for each replica of ``bits`` (a part of ``alive``): over ``rids`` for
+        ``alive`` itself, bit by bit for a few, byte by byte (cached per byte value) for more."""
+        if bits == self.alive:
+            for rid in self.rids:
+                out[rid] = value
+            return
+        if bits.bit_count() <= _FEW_BITS:
+            rid_of_bit = self.rid_of_bit
+            while bits:
+                low = bits & -bits
+                out[rid_of_bit[low]] = value
+                bits ^= low
+            return
+        if self._bytes is None:
+            self._bytes = [{} for _ in range(GROUP_REPLICAS // 8)]
+        for j, b in enumerate(bits.to_bytes(GROUP_REPLICAS // 8, "little")):
+            if b:
+                rids = self._bytes[j].get(b)
+                if rids is None:
+                    rids = self._bytes[j][b] = tuple(self.rid_of_bit[1 << (8 * j + k)] for k in range(8) if b >> k & 1)
+                for rid in rids:
+                    out[rid] = value
+
+
+class _Candidates:
+    """A candidate tuple's parts (by group, in group order), how many distinct candidates the index
+    follows, and dicts of every candidate to one value, to copy (a copy of a 1,024-key dict costs
+    about 1.5 us, ``dict.fromkeys`` about 25 us)."""
+
+    __slots__ = ("ids", "parts", "known", "_filled")
+
+    def __init__(self, ids: tuple[str, ...], parts: list[_Part]) -> None:
+        self.ids = ids
+        self.parts = parts
+        self.known = sum(len(part.rids) for part in parts)
+        self._filled: dict[object, dict] = {}
+
+    def filled(self, value: object) -> dict:
+        """A new dict of every candidate (in order, once each) to ``value``."""
+        template = self._filled.get(value)
+        if template is None:
+            if len(self._filled) >= 4:
+                self._filled.clear()
+            template = self._filled[value] = dict.fromkeys(self.ids, value)
+        return template.copy()
+
+
+Drops = list[tuple[int, int]]
+"""A C walk's drops: ``(i, bits)`` in order, the replicas of ``bits`` holding exactly ``i`` leading blocks."""
+
+
+def _walk(keys: Sequence[int], parts: list[_Part]) -> list[tuple[_Part, Drops]]:
+    """Each part's GPU drops: one C walk per group (``BlockTable.walk``), from its candidates' mask."""
+    if len(parts) > 1:
+        keys = _key_buffer(keys)
+    return [(part, part.group.holders.walk(keys, part.alive)[0]) for part in parts]
+
+
+def _walk_tiers(keys: Sequence[int], parts: list[_Part]) -> list[tuple[_Part, Drops, Drops]]:
+    """Each part's GPU drops and its GPU-then-host run's drops: one C walk per group over both
+    tiers (``BlockTable.walk_tiers``), or over GPU alone where the group holds no host keys."""
+    if len(parts) > 1:
+        keys = _key_buffer(keys)
+    found: list[tuple[_Part, Drops, Drops]] = []
+    for part in parts:
+        group = part.group
+        if len(group.host):
+            found.append((part, *group.holders.walk_tiers(keys, part.alive, group.host)))
+        else:
+            drops = group.holders.walk(keys, part.alive)[0]
+            found.append((part, drops, drops))
+    return found
+
+
+def _answer(cands: _Candidates, found: list[tuple[_Part, Drops]], held_only: bool, pair: bool) -> dict:
+    """``{replica id: value}`` from every part's drops, ``value`` the drop's ``i`` (``(i, i)`` with
+    ``pair``): for every candidate (unknown ones 0), or with ``held_only`` for those with ``i > 0``.
+
+    The start most candidates share is the base: a copy of every candidate at it when that answers
+    them all (every candidate known, and with ``held_only`` none at 0), then only the candidates
+    with other starts are spread; otherwise the candidates at 0 are left out (``held_only``) or
+    preset (a copy of every candidate at 0) and the rest spread.
+    """
+    weight: dict[int, int] = {}
+    for _, drops in found:
+        for start, bits in drops:
+            weight[start] = weight.get(start, 0) + bits.bit_count()
+    base = max(weight, key=weight.__getitem__) if weight else 0
+    whole = cands.known == len(cands.ids) and base > 0 and not (held_only and 0 in weight)
+    if whole:
+        out = cands.filled((base, base) if pair else base)
+    else:
+        base = 0
+        out = {} if held_only else cands.filled((0, 0) if pair else 0)
+    for part, drops in found:
+        for start, bits in drops:
+            if start != base:
+                part.spread(out, bits, (start, start) if pair else start)
+    return out
+
+
 class _Replica:
-    """A replica's bit, slot, count of keys really held on each tier, and its chunked load if any."""
+    """A replica's slot (its group, and its bit there), count of keys really held on each tier, and
+    its chunked load if any."""
 
-    __slots__ = ("bit", "slot", "blocks", "host_blocks", "load")
+    __slots__ = ("slot", "local", "bit", "group", "blocks", "host_blocks", "load")
 
-    def __init__(self, slot: int) -> None:
-        self.slot = slot
-        self.bit = 1 << slot
+    def __init__(self, slot: int, group: _Group) -> None:
+        self.move(slot, group)
         self.blocks = 0
         self.host_blocks = 0
         self.load: SnapshotLoad | None = None
+
+    def move(self, slot: int, group: _Group) -> None:
+        self.slot = slot
+        self.local = slot % GROUP_REPLICAS  # the slot within its group: the C tables' replica number
+        self.bit = 1 << self.local
+        self.group = group
 
 
 class SnapshotLoad:
@@ -254,29 +430,37 @@ class BlockIndex:
 
     Args:
         max_blocks: cap on (replica, key) entries, > 0.
-        inline_clear_slots: a retired slot whose tables have at most this many slots
+        inline_clear_slots: a retired slot whose group's tables have at most this many slots
             (holders and predictions, both tiers) is cleared at once, not by ``clear_step``.
+        max_replicas: cap on the replicas followed at once (shadow slots of chunked snapshot
+            loads included), >= 1; default ``MAX_REPLICAS`` (1,024).  Nothing is allocated for
+            slots never taken: a group's tables are made when its first slot is.
+
+    Raises:
+        ValueError: an argument out of range.
     """
 
     def __init__(self, *, max_blocks: int = defaults.MAX_INDEXED_BLOCKS,
-                 inline_clear_slots: int = CLEAR_STEP_SLOTS) -> None:
+                 inline_clear_slots: int = CLEAR_STEP_SLOTS, max_replicas: int = MAX_REPLICAS) -> None:
         if max_blocks <= 0:
             raise ValueError(f"max_blocks must be positive, got {max_blocks}")
         if inline_clear_slots < 0:
             raise ValueError(f"inline_clear_slots must be >= 0, got {inline_clear_slots}")
+        if isinstance(max_replicas, bool) or not isinstance(max_replicas, int) or max_replicas < 1:
+            raise ValueError(f"max_replicas must be an int >= 1, got {max_replicas!r}")
         self.max_blocks = max_blocks
         self.inline_clear_slots = inline_clear_slots
+        self.max_replicas = max_replicas
         self.stats = IndexStats()
         self._entries = 0
-        self._holders = BlockTable(seed=secrets.randbits(64))
-        self._host = BlockTable(seed=secrets.randbits(64))
+        self._groups: dict[int, _Group] = {}  # group number -> its tables, made with its first slot
         self._replicas: dict[str, _Replica] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._expiry: list[tuple[float, int, str, bytes]] = []
         self._expiry_seq = 0
         self._expiry_bytes = 0
-        self._candidate_bits: dict[tuple[str, ...], tuple[int, dict[int, str]]] = {}
+        self._candidate_parts: dict[tuple[str, ...], _Candidates] = {}
         self._retired: deque[tuple[int, bool, bool]] = deque()  # (slot, GPU dirty, host dirty), FIFO
         self._clearing: list | None = None  # [slot, tables left to clear, next_start]: the clear in progress
         self._loads: dict[str, SnapshotLoad] = {}  # replica id -> its chunked load into a shadow slot
@@ -290,12 +474,13 @@ class BlockIndex:
     def add_replica(self, replica_id: str) -> bool:
         """Follow ``replica_id`` (holding nothing yet); a no-op if it is followed.
 
-        Takes a free slot; when none is free but a retired one waits for ``clear_step``,
-        finishes clearing that one now (a pass over the tables) and takes it.
+        Takes the lowest free slot; when none is free but a retired one waits for
+        ``clear_step``, finishes clearing that one now (a pass over its group's tables)
+        and takes it.
 
         Returns:
             True if the replica is followed; False (counted in
-            ``stats.replicas_refused``) when ``MAX_REPLICAS`` replicas already are
+            ``stats.replicas_refused``) when ``max_replicas`` replicas already are
             (shadow slots of chunked snapshot loads included).
         """
         if replica_id in self._replicas:
@@ -306,8 +491,8 @@ class BlockIndex:
         if slot is None:
             self.stats.replicas_refused += 1
             return False
-        self._replicas[replica_id] = _Replica(slot)
-        self._candidate_bits.clear()
+        self._replicas[replica_id] = _Replica(slot, self._group_of(slot))
+        self._candidate_parts.clear()
         return True
 
     def clear_replica(self, replica_id: str, tier: int | None = None) -> None:
@@ -315,31 +500,31 @@ class BlockIndex:
         every tier when None; the replica stays followed.
 
         For ``AllKeysCleared``, a snapshot about to be loaded, or an engine restart.
-        Every tier, on tables larger than ``inline_clear_slots``, with a slot free: the
-        replica moves to that slot and its old one is retired (O(1), cleared by
-        ``clear_step``); otherwise the tables are cleared now (one pass).  Supersedes
-        the replica's chunked snapshot load, if any.
+        Every tier, on group tables larger than ``inline_clear_slots``, with a slot free:
+        the replica moves to that slot (perhaps in another group) and its old one is
+        retired (O(1), cleared by ``clear_step``); otherwise its group's tables are
+        cleared now (one pass).  Supersedes the replica's chunked snapshot load, if any.
         """
         rs = self._replicas.get(replica_id)
         if rs is None:
             return
         self.stats.replica_clears += 1
         self._supersede(rs)
-        if tier is None and self._clear_cost(True, rs.host_blocks > 0) > self.inline_clear_slots:
+        if tier is None and rs.group.clear_cost(True, rs.host_blocks > 0) > self.inline_clear_slots:
             slot = self._take_free_slot()
             if slot is not None:
                 self._entries -= rs.blocks + rs.host_blocks
                 self._retire(rs.slot, True, rs.host_blocks > 0)
-                rs.slot, rs.bit = slot, 1 << slot
+                rs.move(slot, self._group_of(slot))
                 rs.blocks = rs.host_blocks = 0
-                self._candidate_bits.clear()
+                self._candidate_parts.clear()
                 return
         if tier is None or tier == Tier.GPU:
-            self._holders.clear_replica(rs.slot)  # real and predicted
+            rs.group.holders.clear_replica(rs.local)  # real and predicted
             self._entries -= rs.blocks
             rs.blocks = 0
         if (tier is None or tier == Tier.HOST) and rs.host_blocks:
-            self._host.clear_replica(rs.slot)
+            rs.group.host.clear_replica(rs.local)
             self._entries -= rs.host_blocks
             rs.host_blocks = 0
 
@@ -358,7 +543,7 @@ class BlockIndex:
         self._supersede(rs)
         self._entries -= rs.blocks + rs.host_blocks
         self._retire(rs.slot, True, rs.host_blocks > 0)
-        self._candidate_bits.clear()
+        self._candidate_parts.clear()
 
     # ------------------------------------------------------------------ slots
 
@@ -369,7 +554,8 @@ class BlockIndex:
 
     def clear_step(self, max_slots: int = CLEAR_STEP_SLOTS) -> bool:
         """Clear retired slots for about ``max_slots`` slots of table scanned (>= 1); a
-        slot clean at last becomes free.  Run it between lookups while it returns True.
+        slot clean at last becomes free.  A slot's clear scans only its group's tables.
+        Run it between lookups while it returns True.
 
         Returns:
             True while retired slots remain (``pending_clears > 0``).
@@ -382,8 +568,7 @@ class BlockIndex:
                 if not self._retired:
                     break
                 slot, gpu, host = self._retired.popleft()
-                tables = [t for t, dirty in ((self._holders, gpu), (self._host, host)) if dirty]
-                self._clearing = [slot, tables, 0]
+                self._clearing = [slot, self._dirty_tables(slot, gpu, host), 0]
             slot, tables, start = self._clearing
             if not tables:
                 heapq.heappush(self._free_slots, slot)
@@ -391,7 +576,7 @@ class BlockIndex:
                 continue
             table = tables[0]
             scan = table.capacity + table.prediction_capacity  # at most a whole scan, once done
-            self._clearing[2], _, done = table.clear_replica_part(slot, start, budget)
+            self._clearing[2], _, done = table.clear_replica_part(slot % GROUP_REPLICAS, start, budget)
             if not done:
                 break  # the call took the whole budget
             budget -= min(budget, scan)
@@ -399,27 +584,36 @@ class BlockIndex:
             self._clearing[2] = 0
         return self.pending_clears > 0
 
-    def _take_free_slot(self) -> int | None:
-        """A clean slot nobody uses, or None."""
-        if self._free_slots:
-            return heapq.heappop(self._free_slots)
-        if self._next_slot < MAX_REPLICAS:
-            self._next_slot += 1
-            return self._next_slot - 1
-        return None
+    def _group_of(self, slot: int) -> _Group:
+        """The group of ``slot``, made if it has no tables yet."""
+        number = slot // GROUP_REPLICAS
+        group = self._groups.get(number)
+        if group is None:
+            group = self._groups[number] = _Group(number)
+        return group
 
-    def _clear_cost(self, gpu: bool, host: bool) -> int:
-        """Slots a clear of one replica slot scans, on the GPU and / or host tables."""
-        return sum(t.capacity + t.prediction_capacity for t, on in ((self._holders, gpu), (self._host, host)) if on)
+    def _take_free_slot(self) -> int | None:
+        """The lowest clean slot nobody uses (its group made), or None."""
+        if self._free_slots:
+            slot = heapq.heappop(self._free_slots)
+        elif self._next_slot < self.max_replicas:
+            slot = self._next_slot
+            self._next_slot += 1
+        else:
+            return None
+        self._group_of(slot)
+        return slot
+
+    def _dirty_tables(self, slot: int, gpu: bool, host: bool) -> list[BlockTable]:
+        group = self._groups[slot // GROUP_REPLICAS]
+        return [t for t, dirty in ((group.holders, gpu), (group.host, host)) if dirty]
 
     def _retire(self, slot: int, gpu: bool, host: bool) -> None:
         """``slot`` is no one's any more; its entries (on the tables marked dirty) go before it is reused."""
-        if self._clear_cost(gpu, host) <= self.inline_clear_slots:
+        if self._groups[slot // GROUP_REPLICAS].clear_cost(gpu, host) <= self.inline_clear_slots:
             # As cheap as a step: now.  (The one-pass clear is safe beside a partial clear in progress.)
-            if gpu:
-                self._holders.clear_replica(slot)
-            if host:
-                self._host.clear_replica(slot)
+            for table in self._dirty_tables(slot, gpu, host):
+                table.clear_replica(slot % GROUP_REPLICAS)
             heapq.heappush(self._free_slots, slot)
         else:
             self._retired.append((slot, gpu, host))
@@ -431,14 +625,14 @@ class BlockIndex:
             self._clearing = None
         elif self._retired:
             slot, gpu, host = self._retired.popleft()
-            tables = [t for t, dirty in ((self._holders, gpu), (self._host, host)) if dirty]
+            tables = self._dirty_tables(slot, gpu, host)
             start = 0
         else:
             return None
         for table in tables:
             done = False
             while not done:
-                start, _, done = table.clear_replica_part(slot, start, sys.maxsize)
+                start, _, done = table.clear_replica_part(slot % GROUP_REPLICAS, start, sys.maxsize)
             start = 0
         return slot
 
@@ -545,9 +739,9 @@ class BlockIndex:
         rs.load = None
         self._entries += load._gpu + load._host - rs.blocks - rs.host_blocks
         self._retire(rs.slot, True, rs.host_blocks > 0)
-        rs.slot, rs.bit = load._slot, 1 << load._slot
+        rs.move(load._slot, self._groups[load._slot // GROUP_REPLICAS])
         rs.blocks, rs.host_blocks = load._gpu, load._host
-        self._candidate_bits.clear()
+        self._candidate_parts.clear()
         stats = self.stats
         stats.replica_clears += 1  # as load_snapshot's clear
         stats.snapshots += 1
@@ -566,8 +760,9 @@ class BlockIndex:
     def _load_chunk(self, load: SnapshotLoad, chunk: memoryview | Sequence[int], tier: int) -> None:
         # Room as if the replaced slot's entries were gone already (they will be at the swap).
         room = max(self.max_blocks - self._projected_entries(), 0)
-        table = self._host if tier == Tier.HOST else self._holders
-        new, confirmed, duplicates, refused = table.add(chunk, load._slot, room)  # confirmed: 0, no predictions
+        table = self._groups[load._slot // GROUP_REPLICAS].table(tier)
+        # confirmed: 0 (a shadow slot has no predictions)
+        new, confirmed, duplicates, refused = table.add(chunk, load._slot % GROUP_REPLICAS, room)
         if tier == Tier.HOST:
             load._host += new + confirmed
         else:
@@ -645,8 +840,7 @@ class BlockIndex:
         # keys that would add an entry past max_blocks refused (duplicates do not count).
         used = max(self._entries, self._projected_entries()) if self._loads else self._entries
         room = max(self.max_blocks - used, 0)
-        table = self._host if tier == Tier.HOST else self._holders
-        new, confirmed, duplicates, refused = table.add(_native(keys), rs.slot, room)
+        new, confirmed, duplicates, refused = rs.group.table(tier).add(_native(keys), rs.local, room)
         self.stats.over_capacity_keys += refused
         added = new + confirmed
         if tier == Tier.HOST:
@@ -660,11 +854,10 @@ class BlockIndex:
         self.stats.duplicate_keys += duplicates
 
     def _remove(self, rs: _Replica, keys: bytes | Sequence[int], tier: int) -> None:
+        removed, unknown = rs.group.table(tier).remove(_native(keys), rs.local)
         if tier == Tier.HOST:
-            removed, unknown = self._host.remove(_native(keys), rs.slot)
             rs.host_blocks -= removed
         else:
-            removed, unknown = self._holders.remove(_native(keys), rs.slot)
             rs.blocks -= removed
         self._entries -= removed
         self.stats.keys_removed += removed
@@ -696,7 +889,7 @@ class BlockIndex:
         until = float(now + ttl_s)
         # In C: new keys get the bit in holders and predicted, earlier
         # predictions get the new expiry, really held keys are skipped.
-        new, tracked = self._holders.predict(keys, rs.slot, until)
+        new, tracked = rs.group.holders.predict(keys, rs.local, until)
         if tracked:
             self._expiry_seq += 1
             heapq.heappush(self._expiry, (until, self._expiry_seq, replica_id, tracked))
@@ -715,7 +908,7 @@ class BlockIndex:
             if rs is None:
                 continue
             # In C; confirmed, cleared and extended predictions are skipped.
-            expired += self._holders.expire(keys, rs.slot, float(now))
+            expired += rs.group.holders.expire(keys, rs.local, float(now))
         self.stats.predictions_expired += expired
         return expired
 
@@ -725,9 +918,10 @@ class BlockIndex:
         """Leading blocks of ``keys`` each candidate holds, really or by prediction.
 
         Args:
-            keys: the prompt's block keys in order (``block_keys(...)``).
+            keys: the prompt's block keys in order (``block_keys(...)``: an ``array('Q')``,
+                or any sequence of ints).
             replicas: candidate replica ids (pass a tuple to reuse the cached
-                bit masks of a candidate set); unknown ids get 0.
+                groups and bit masks of a candidate set); unknown ids get 0.
             now: current time, to retire expired predictions first.
 
         Returns:
@@ -737,20 +931,8 @@ class BlockIndex:
         if self._expiry and self._expiry[0][0] <= now:
             self.expire(now)
         candidates = replicas if isinstance(replicas, tuple) else tuple(replicas)
-        result = dict.fromkeys(candidates, 0)
-        alive, rid_of_bit = self._candidate_bits.get(candidates) or self._bits_of(candidates)
-        if not alive:
-            return result
-        # One pass over the blocks in C (``BlockTable.walk``): ``alive`` = the
-        # candidates holding every block so far; a candidate that drops out at
-        # block i holds i blocks.
-        drops, _ = self._holders.walk(keys, alive)
-        for start, dropped in drops:
-            while dropped:
-                low = dropped & -dropped
-                result[rid_of_bit[low]] = start
-                dropped ^= low
-        return result
+        cands = self._candidate_parts.get(candidates) or self._parts_of(candidates)
+        return _answer(cands, _walk(keys, cands.parts), False, False)
 
     def match_tiers(self, keys: Sequence[int], replicas: Iterable[str], now: float) -> dict[str, tuple[int, int]]:
         """Per candidate, its leading blocks of ``keys`` on GPU and where its host-memory blocks carry them.
@@ -761,53 +943,95 @@ class BlockIndex:
             ``{replica_id: (g, e)}`` for every candidate: ``g`` as :meth:`match`
             (really held on GPU or predicted), ``e >= g`` the end of its run of
             blocks ``g .. e - 1`` held in host memory (vLLM loads those after
-            the GPU hit; ``e == g``: none).  One walk over the blocks when no
-            replica holds anything in host memory (``e == g`` for all).
+            the GPU hit; ``e == g``: none).  One walk over the blocks per group
+            (both tiers at once in a group whose replicas hold host blocks).
         """
-        if not len(self._host):
-            return {rid: (n, n) for rid, n in self.match(keys, replicas, now).items()}
+        if not self._any_host_keys():
+            gpu = self.match(keys, replicas, now)
+            return dict(zip(gpu, zip(gpu.values(), gpu.values(), strict=True), strict=True))
         if self._expiry and self._expiry[0][0] <= now:
             self.expire(now)
         candidates = replicas if isinstance(replicas, tuple) else tuple(replicas)
-        gpu = dict.fromkeys(candidates, 0)
-        ends = dict.fromkeys(candidates, 0)
-        alive, rid_of_bit = self._candidate_bits.get(candidates) or self._bits_of(candidates)
-        if alive:
-            # One pass in C over both tiers (``BlockTable.walk_tiers``).
-            drops, host_drops = self._holders.walk_tiers(keys, alive, self._host)
-            for out, found in ((gpu, drops), (ends, host_drops)):
-                for start, dropped in found:
-                    while dropped:
-                        low = dropped & -dropped
-                        out[rid_of_bit[low]] = start
-                        dropped ^= low
-        return {rid: (gpu[rid], ends[rid]) for rid in candidates}
+        cands = self._candidate_parts.get(candidates) or self._parts_of(candidates)
+        found = _walk_tiers(keys, cands.parts)
+        gpu = _answer(cands, [(part, drops) for part, drops, _ in found], False, False)
+        ends = _answer(cands, [(part, host_drops) for part, _, host_drops in found], False, False)
+        # Both dicts hold every candidate once, in the candidates' order.
+        return dict(zip(gpu, zip(gpu.values(), ends.values(), strict=True), strict=True))
 
-    def _bits_of(self, candidates: tuple[str, ...]) -> tuple[int, dict[int, str]]:
-        """Mask of the known candidates and bit -> replica id, cached per candidate tuple."""
-        alive = 0
-        rid_of_bit: dict[int, str] = {}
+    def match_held(self, keys: Sequence[int], replicas: tuple[str, ...], now: float) -> dict[str, tuple[int, int]]:
+        """:meth:`match_tiers`, answering only for the candidates that hold something of ``keys``.
+
+        Args: as :meth:`match` (``replicas`` a tuple: its groups and masks are cached per tuple).
+
+        Returns:
+            ``{replica_id: (g, e)}`` (as :meth:`match_tiers`) for each candidate with
+            ``e > 0`` (so ``g > 0`` or a host-memory run from block 0); every other
+            candidate, unknown ones included, is ``(0, 0)`` and absent.  No Python work
+            is done per candidate that holds nothing: a group whose candidates hold
+            nothing costs one C walk that stops at the first block, and the drop at
+            block 0 is skipped whole.
+        """
+        if self._expiry and self._expiry[0][0] <= now:
+            self.expire(now)
+        candidates = replicas if isinstance(replicas, tuple) else tuple(replicas)
+        cands = self._candidate_parts.get(candidates) or self._parts_of(candidates)
+        if not any(len(part.group.host) for part in cands.parts):
+            return _answer(cands, _walk(keys, cands.parts), True, True)
+        held: dict[str, tuple[int, int]] = {}
+        for part, drops, host_drops in _walk_tiers(keys, cands.parts):
+            for start, dropped in host_drops:  # every candidate with e > 0 (g > 0 implies e >= g)
+                if start:
+                    part.spread(held, dropped, (0, start))
+            on_gpu: dict[str, int] = {}
+            for start, dropped in drops:
+                if start:
+                    part.spread(on_gpu, dropped, start)
+            for rid, g in on_gpu.items():
+                held[rid] = (g, held[rid][1])
+        return held
+
+    def _parts_of(self, candidates: tuple[str, ...]) -> _Candidates:
+        """The known candidates by group (masks, bit -> replica id), cached per tuple."""
+        by_group: dict[int, _Part] = {}
         for rid in candidates:
             rs = self._replicas.get(rid)
             if rs is not None:
-                alive |= rs.bit
-                rid_of_bit[rs.bit] = rid
-        if len(self._candidate_bits) >= 64:
-            self._candidate_bits.clear()
-        self._candidate_bits[candidates] = (alive, rid_of_bit)
-        return alive, rid_of_bit
+                part = by_group.get(rs.group.number)
+                if part is None:
+                    part = by_group[rs.group.number] = _Part(rs.group)
+                part.alive |= rs.bit
+                part.rid_of_bit[rs.bit] = rid
+        parts = [by_group[n] for n in sorted(by_group)]
+        for part in parts:
+            part.rids = tuple(part.rid_of_bit.values())
+        if len(self._candidate_parts) >= 64:
+            self._candidate_parts.clear()
+        entry = self._candidate_parts[candidates] = _Candidates(candidates, parts)
+        return entry
+
+    def _any_host_keys(self) -> bool:
+        return any(len(group.host) for group in self._groups.values())
 
     # ------------------------------------------------------------------ size
 
     @property
     def num_keys(self) -> int:
-        """Distinct block keys held by some replica (really or by prediction)."""
-        return len(self._holders)
+        """Keys held by some replica (really or by prediction), counted once per group of
+        ``GROUP_REPLICAS`` slots holding them: a key held by replicas of ``k`` groups counts
+        ``k`` times (``k`` table slots).  With at most 128 replicas followed (one group): the
+        distinct keys.  Retired slots' keys count until cleared.  O(groups)."""
+        return sum(len(group.holders) for group in self._groups.values())
 
     @property
     def num_host_keys(self) -> int:
-        """Distinct block keys held in host memory by some replica."""
-        return len(self._host)
+        """Keys held in host memory by some replica, counted as :attr:`num_keys`; O(groups)."""
+        return sum(len(group.host) for group in self._groups.values())
+
+    @property
+    def num_groups(self) -> int:
+        """Groups of ``GROUP_REPLICAS`` slots with tables (made with their first slot; kept)."""
+        return len(self._groups)
 
     @property
     def num_replica_blocks(self) -> int:
@@ -825,8 +1049,10 @@ class BlockIndex:
         return rs.host_blocks if rs is not None else 0
 
     def memory_bytes(self) -> int:
-        """Bytes of the index's tables, O(1): both tiers' slot arrays and the pending expiries' key bytes."""
-        return self._holders.memory_bytes() + self._host.memory_bytes() + self._expiry_bytes
+        """Bytes of the index's tables, O(groups): every group's slot arrays (both tiers) and the
+        pending expiries' key bytes."""
+        tables = sum(group.holders.memory_bytes() + group.host.memory_bytes() for group in self._groups.values())
+        return tables + self._expiry_bytes
 
     def bytes_per_block(self) -> float:
         """``memory_bytes()`` per (replica, key) entry; 0.0 when empty."""

@@ -15,7 +15,7 @@ import pytest
 
 from routing.block_keys import block_keys
 from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-from routing.index import BlockIndex
+from routing.index import _FEW_BITS, GROUP_REPLICAS, BlockIndex
 from routing.key_events import AllKeysCleared, KeysRemoved, KeysStored, keys_to_bytes
 from routing.relay import KeyRelay, RelayStats
 from routing.tiers import Tier
@@ -247,13 +247,15 @@ def test_events_for_a_replica_not_followed_are_dropped_and_removal_is_final() ->
     assert idx.match(KEYS, ("r0",), 0.0) == {"r0": 0}
 
 
-def test_replicas_past_the_mask_width_are_refused_and_counted_and_slots_are_recycled() -> None:
+def test_replicas_past_the_default_cap_are_refused_and_counted_and_slots_are_recycled() -> None:
     from routing.index import MAX_REPLICAS
 
+    assert MAX_REPLICAS == 1024
     idx = BlockIndex()
     ids = [f"r{i}" for i in range(MAX_REPLICAS)]
     assert all(idx.add_replica(rid) for rid in ids)
-    idx.apply_keys(ids[-1], [KeysStored(None, keys_to_bytes(KEYS[:3]))])  # the last slot (bit 127)
+    assert idx.num_groups == MAX_REPLICAS // GROUP_REPLICAS
+    idx.apply_keys(ids[-1], [KeysStored(None, keys_to_bytes(KEYS[:3]))])  # the last slot (group 7, bit 127)
     assert idx.add_replica("extra") is False and idx.stats.replicas_refused == 1
     assert idx.apply_keys("extra", [KeysStored(None, keys_to_bytes(KEYS))]) is False  # routed by load only
     assert idx.match(KEYS, (ids[-1], "extra"), 0.0) == {ids[-1]: 3, "extra": 0}
@@ -470,6 +472,30 @@ def slot_of(idx: BlockIndex, rid: str) -> int:
     return idx._replicas[rid].slot
 
 
+def table_of(idx: BlockIndex, slot: int, tier: Tier = Tier.GPU):
+    """The C table of ``slot``'s group on ``tier``."""
+    group = idx._groups[slot // GROUP_REPLICAS]
+    return group.host if tier == Tier.HOST else group.holders
+
+
+def gpu_entries(idx: BlockIndex, slot: int) -> tuple[int, int]:
+    """``(keys, predictions)`` of ``slot`` in its group's GPU table."""
+    return table_of(idx, slot).replica_entries(slot % GROUP_REPLICAS)
+
+
+def host_entries(idx: BlockIndex, slot: int) -> tuple[int, int]:
+    return table_of(idx, slot, Tier.HOST).replica_entries(slot % GROUP_REPLICAS)
+
+
+def num_predictions(idx: BlockIndex) -> int:
+    return sum(g.holders.num_predictions for g in idx._groups.values())
+
+
+def holds(idx: BlockIndex, key: int, slot: int, tier: Tier = Tier.GPU) -> bool:
+    """Whether ``slot``'s bit is in ``key``'s mask on ``tier`` (really or by prediction)."""
+    return bool((table_of(idx, slot, tier).get(key) or 0) >> (slot % GROUP_REPLICAS) & 1)
+
+
 def drain(idx: BlockIndex, max_slots: int = 100) -> int:
     """``clear_step`` until no work is left; returns the steps taken."""
     steps = 0
@@ -488,7 +514,7 @@ def test_remove_replica_retires_its_slot_and_clear_steps_empty_it() -> None:
     idx.apply_keys("r1", [KeysStored(None, keys_to_bytes(shared))])
     idx.predict("r0", keys_of(20, 3), now=0.0, ttl_s=10.0)
     old = slot_of(idx, "r0")
-    assert idx._holders.replica_entries(old) == (370, 20) and idx._host.replica_entries(old) == (40, 0)
+    assert gpu_entries(idx, old) == (370, 20) and host_entries(idx, old) == (40, 0)
     idx.remove_replica("r0")
     # Detached at once: not followed, nothing counted, nothing matched; its entries wait for clear_step.
     assert idx.replicas() == ["r1", "r2"] and idx.num_replica_blocks == 50 and idx.pending_clears == 1
@@ -499,7 +525,7 @@ def test_remove_replica_retires_its_slot_and_clear_steps_empty_it() -> None:
     assert idx.clear_step(10) is True  # a step of 10 slots does not clear 128 + 1024 + 128 + 64 slots
     steps = drain(idx, 100)
     assert steps > 5 and idx.pending_clears == 0 and idx.clear_step() is False
-    assert idx._holders.replica_entries(old) == (0, 0) and idx._host.replica_entries(old) == (0, 0)
+    assert gpu_entries(idx, old) == (0, 0) and host_entries(idx, old) == (0, 0)
     assert idx.num_keys == 50 and idx.num_host_keys == 0 and idx.num_replica_blocks == 50
     # The slot is free again: the next replica gets it and holds nothing.
     idx.add_replica("r3")
@@ -533,7 +559,7 @@ def test_small_tables_are_cleared_at_once() -> None:
     idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(KEYS))])
     old = slot_of(idx, "r0")
     idx.remove_replica("r0")
-    assert idx.pending_clears == 0 and idx.num_keys == 0 and idx._holders.replica_entries(old) == (0, 0)
+    assert idx.pending_clears == 0 and idx.num_keys == 0 and gpu_entries(idx, old) == (0, 0)
     idx.add_replica("r1")
     assert slot_of(idx, "r1") == old
 
@@ -556,8 +582,8 @@ def test_clear_replica_moves_the_replica_to_a_fresh_slot() -> None:
     idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(keys[:3]))])  # fresh after the clear
     assert idx.match(keys, R, 1.0) == {"r0": 3, "r1": 10, "r2": 0}
     drain(idx, 7)
-    assert idx._holders.replica_entries(old) == (0, 0)
-    assert idx._holders.replica_entries(new) == (3, 0) and idx.num_keys == 10
+    assert gpu_entries(idx, old) == (0, 0)
+    assert gpu_entries(idx, new) == (3, 0) and idx.num_keys == 10
     # A tier's clear stays inline, on the replica's slot.
     idx.apply_keys("r0", [KeysStored(None, keys_to_bytes(keys[:5]), Tier.HOST)])
     idx.clear_replica("r0", Tier.HOST)
@@ -599,8 +625,8 @@ def test_add_replica_reclaims_a_retired_slot_rather_than_refuse() -> None:
     assert idx.pending_clears == 0 and idx.stats.replicas_refused == 0
     assert idx.match(keys, ("new1", "new2"), 1.0) == {"new1": 0, "new2": 0}
     assert idx.match(KEYS, ("new1", "new2"), 1.0) == {"new1": 0, "new2": 0}
-    assert idx._holders.replica_entries(s5) == idx._holders.replica_entries(s9) == (0, 0)
-    assert idx.num_keys == 0 and idx._holders.num_predictions == 0
+    assert gpu_entries(idx, s5) == gpu_entries(idx, s9) == (0, 0)
+    assert idx.num_keys == 0 and num_predictions(idx) == 0
     assert idx.add_replica("new3") is False and idx.stats.replicas_refused == 1  # nothing left to reclaim
 
 
@@ -642,7 +668,7 @@ def test_lookups_during_a_chunked_snapshot_answer_from_the_old_entries() -> None
     assert s.keys_stored == before["stats"]["keys_stored"] + 310
     assert s.host_keys_stored == before["stats"]["host_keys_stored"] + 60
     drain(idx)
-    assert idx._holders.replica_entries(old) == (0, 0) and idx._host.replica_entries(old) == (0, 0)
+    assert gpu_entries(idx, old) == (0, 0) and host_entries(idx, old) == (0, 0)
     assert idx.num_keys == 250 and idx.num_host_keys == 60
     assert idx.finish_snapshot(load) is False  # once
 
@@ -699,7 +725,7 @@ def test_a_superseded_load_is_not_swapped_in_and_its_slot_is_retired(how: str) -
     assert load is not None
     idx.snapshot_step(load, 40)
     shadow = load._slot
-    assert idx._holders.replica_entries(shadow) == (40, 0)
+    assert gpu_entries(idx, shadow) == (40, 0)
     if how == "snapshot":
         idx.load_snapshot("r0", keys_to_bytes(old_keys[:5]))
     elif how == "begin":
@@ -727,7 +753,7 @@ def test_a_superseded_load_is_not_swapped_in_and_its_slot_is_retired(how: str) -
     elif how == "cancel":
         assert idx.match(old_keys, ("r0",), 0.0) == {"r0": 100} and idx.replica_blocks("r0") == 100
     drain(idx)
-    assert idx._holders.replica_entries(shadow) == (0, 0)
+    assert gpu_entries(idx, shadow) == (0, 0)
     assert shadow in idx._free_slots and not idx._loads
 
 
@@ -818,7 +844,7 @@ def test_stale_expiry_entries_of_an_old_slot_expire_nothing_early() -> None:
     assert idx.match(KEYS, ("r0",), 10.0) == {"r0": 4}  # the until-10.0 entry expires nothing of these
     assert idx.match(KEYS, ("r0",), 23.0) == {"r0": 2} and idx.stats.predictions_expired == 2
     drain(idx)
-    assert idx._holders.num_predictions == 0 and idx.num_keys == 2
+    assert num_predictions(idx) == 0 and idx.num_keys == 2
 
 
 def test_load_snapshot_still_clears_and_loads_at_once() -> None:
@@ -899,14 +925,280 @@ def test_randomized_deferred_clears_and_loads_against_a_model() -> None:
                 slot = slot_of(idx, r)
                 assert idx.replica_blocks(r) == len(model[r]) and idx.replica_host_blocks(r) == len(host[r])
                 for k in rng.sample(vocab, 30):
-                    assert bool((idx._holders.get(k) or 0) >> slot & 1) == (k in model[r])
-                    assert bool((idx._host.get(k) or 0) >> slot & 1) == (k in host[r])
+                    assert holds(idx, k, slot) == (k in model[r])
+                    assert holds(idx, k, slot, Tier.HOST) == (k in host[r])
     for load, _, _ in loads.values():
         idx.cancel_snapshot(load)  # type: ignore[arg-type]
     drain(idx, 1000)
     live = {slot_of(idx, r) for r in model}
-    for slot in range(128):
+    for slot in range(idx._next_slot):
         if slot not in live:
-            assert idx._holders.replica_entries(slot) == (0, 0) and idx._host.replica_entries(slot) == (0, 0)
-    assert idx.num_keys == len(set().union(*model.values())) if model else idx.num_keys == 0
-    assert idx.num_host_keys == len(set().union(*host.values())) if host else idx.num_host_keys == 0
+            assert gpu_entries(idx, slot) == (0, 0) and host_entries(idx, slot) == (0, 0)
+    # A key counts once per group of 128 slots holding it (the replicas moved over groups as they cleared).
+    by_group: dict[int, set[int]] = {}
+    host_by_group: dict[int, set[int]] = {}
+    for r in model:
+        by_group.setdefault(slot_of(idx, r) // GROUP_REPLICAS, set()).update(model[r])
+        host_by_group.setdefault(slot_of(idx, r) // GROUP_REPLICAS, set()).update(host[r])
+    assert idx.num_keys == sum(map(len, by_group.values()))
+    assert idx.num_host_keys == sum(map(len, host_by_group.values()))
+
+
+# ---------------------------------------------------------------------- past 128 replicas: groups of slots
+
+
+def test_max_replicas_is_a_constructor_argument_and_the_cap_counts_refusals() -> None:
+    for bad in (0, -1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="max_replicas"):
+            BlockIndex(max_replicas=bad)  # type: ignore[arg-type]
+    idx = BlockIndex(max_replicas=300)
+    assert all(idx.add_replica(f"r{i}") for i in range(300))
+    assert idx.num_groups == 3  # 128 + 128 + 44 slots
+    assert idx.add_replica("r300") is False and idx.add_replica("r301") is False
+    assert idx.stats.replicas_refused == 2 and "r300" not in idx.replicas()
+    assert idx.add_replica("r0") is True and idx.stats.replicas_refused == 2  # followed already: no-op
+    big = BlockIndex(max_replicas=8192)
+    assert all(big.add_replica(f"r{i}") for i in range(8192)) and not big.add_replica("one more")
+    big.apply_keys("r8191", [KeysStored(None, keys_to_bytes(KEYS[:4]))])
+    big.apply_keys("r0", [KeysStored(None, keys_to_bytes(KEYS[:2]))])
+    assert big.match_held(KEYS, tuple(f"r{i}" for i in range(8192)), 0.0) == {"r0": (2, 2), "r8191": (4, 4)}
+
+
+def test_slots_are_taken_lowest_first_and_recycled_across_groups() -> None:
+    idx = BlockIndex(max_replicas=400, inline_clear_slots=0)
+    ids = [f"r{i}" for i in range(400)]
+    for rid in ids:
+        idx.add_replica(rid)
+    assert [slot_of(idx, r) for r in ("r0", "r127", "r128", "r399")] == [0, 127, 128, 399]
+    for rid in ("r300", "r5", "r130"):
+        idx.apply_keys(rid, [KeysStored(None, keys_to_bytes(keys_of(50, 30)))])
+        idx.remove_replica(rid)
+    assert idx.pending_clears == 3 and idx.add_replica("x") is True  # reclaims a retired slot: the oldest
+    assert slot_of(idx, "x") == 300 and idx.match(keys_of(50, 30), ("x",), 0.0) == {"x": 0}
+    drain(idx)
+    assert idx.add_replica("y") and idx.add_replica("z") and not idx.add_replica("w")
+    assert (slot_of(idx, "y"), slot_of(idx, "z")) == (5, 130)  # lowest free first, across groups
+    assert idx.match_held(keys_of(50, 30), ("x", "y", "z", "w"), 0.0) == {}
+    idx.apply_keys("z", [KeysStored(None, keys_to_bytes(KEYS[:3]))])
+    idx.apply_keys("y", [KeysStored(None, keys_to_bytes(KEYS[:1]))])
+    assert idx.match(KEYS, ("w", "x", "y", "z"), 0.0) == {"w": 0, "x": 0, "y": 1, "z": 3}
+
+
+def test_a_clear_steps_over_the_retired_slots_group_only() -> None:
+    """Group 0 holds 20,000 keys, group 1 a hundred: clearing a slot of group 1 scans group 1's tables."""
+    idx = BlockIndex(max_replicas=256, inline_clear_slots=0)
+    for i in range(256):
+        idx.add_replica(f"r{i}")
+    many, few = keys_of(20_000, 40), keys_of(100, 41)
+    idx.apply_keys("r3", [KeysStored(None, keys_to_bytes(many))])
+    idx.apply_keys("r200", [KeysStored(None, keys_to_bytes(few))])
+    idx.apply_keys("r201", [KeysStored(None, keys_to_bytes(few[:10]))])
+    g0, g1 = idx._groups[0].holders, idx._groups[1].holders
+    assert g0.capacity >= 40_000 and g1.capacity <= 256
+    scan0, scan1 = g0.capacity + g0.prediction_capacity, g1.capacity + g1.prediction_capacity
+    idx.remove_replica("r200")
+    assert idx.pending_clears == 1
+    steps = drain(idx, 16)
+    assert steps <= (scan1 + 100) // 16 + 2 < scan0 // 16  # its slots and erased entries, not group 0's
+    assert gpu_entries(idx, 200) == (0, 0) and gpu_entries(idx, 201) == (10, 0) and gpu_entries(idx, 3) == (20_000, 0)
+    assert idx.num_keys == 20_010 and idx.match(many, ("r3", "r201"), 0.0) == {"r3": 20_000, "r201": 0}
+
+
+def test_a_key_costs_one_table_slot_per_group_holding_it() -> None:
+    """No per-key cost that grows with the cluster: keys held by one replica cost as in a one-group index."""
+    idx = BlockIndex(max_replicas=1100)
+    ids = [f"r{i}" for i in range(1100)]
+    for rid in ids:
+        idx.add_replica(rid)
+    empty = idx.memory_bytes()
+    assert idx.num_groups == 9 and empty < 9 * 8_000  # a group's two empty tables: about 6 KB
+    shared = keys_of(64, 50)
+    for rid in ids:  # a system prompt on every replica: one slot a key in each of the 9 groups
+        idx.apply_keys(rid, [KeysStored(None, keys_to_bytes(shared))])
+    assert idx.num_keys == 9 * 64 and idx.num_replica_blocks == 1100 * 64
+    assert idx.match_held(shared, tuple(ids), 0.0) == dict.fromkeys(ids, (64, 64))
+    for rid in ids:
+        idx.remove_replica(rid)
+        idx.add_replica(rid)
+    assert idx.num_keys == 0 and idx.memory_bytes() < 2 * empty  # the tables shrank back
+    rng = random.Random(51)
+    n = 0
+    for rid in ids:  # 40,000 keys, each held by one replica
+        mine = [rng.getrandbits(64) for _ in range(rng.randrange(20, 53))]
+        idx.apply_keys(rid, [KeysStored(None, keys_to_bytes(mine))])
+        n += len(mine)
+    alone = BlockIndex()
+    alone.add_replica("one")
+    alone.apply_keys("one", [KeysStored(None, keys_to_bytes(keys_of(n, 52)))])
+    assert idx.num_keys == n and idx.num_replica_blocks == n
+    # 24-byte slots at load 1/4 to 1/2 (plus the prediction tables), whatever the cluster's size.
+    assert idx.bytes_per_block() <= 2 * alone.bytes_per_block() + 9 * 8_000 / n
+    assert idx.bytes_per_block() < 128
+
+
+def _model_answer(keys: list[int], gpu: set[int], predicted: dict[int, float], host: set[int],
+                  now: float) -> tuple[int, int]:
+    g = 0
+    while g < len(keys) and (keys[g] in gpu or predicted.get(keys[g], -1.0) > now):
+        g += 1
+    e = g
+    while e < len(keys) and keys[e] in host:
+        e += 1
+    return g, e
+
+
+@pytest.mark.parametrize("n_replicas", [300, 1100])
+def test_randomized_many_replicas_against_a_model(n_replicas: int) -> None:
+    """Random key events (both tiers), broadcasts to many replicas, predictions and their expiry,
+    snapshots (at once, chunked, superseded, in place), clears, removals and re-adds over
+    ``n_replicas`` replicas (3 or 9 groups, a cap a few slots above them): ``match``,
+    ``match_tiers`` and ``match_held`` against a plain model of what each replica holds,
+    and the counts once the clears are done."""
+    rng = random.Random(n_replicas)
+    cap = n_replicas + 6  # shadow slots of loads run out at times: in-place loads and refusals happen
+    idx = BlockIndex(max_replicas=cap, inline_clear_slots=rng.choice((0, 256)))
+    ids = [f"r{i}" for i in range(n_replicas)]
+    docs = [keys_of(12, 1000 + d) for d in range(24)]
+    gpu: dict[str, set[int]] = {}
+    host: dict[str, set[int]] = {}
+    pred: dict[str, dict[int, float]] = {}
+    loads: dict[str, tuple[object, set[int], set[int]]] = {}
+    for rid in ids:
+        assert idx.add_replica(rid)
+        gpu[rid], host[rid], pred[rid] = set(), set(), {}
+    now = 0.0
+    counts = {"in_place": 0, "refused": 0, "many": 0}
+
+    def forget(rid: str) -> None:
+        gpu[rid], host[rid], pred[rid] = set(), set(), {}
+        loads.pop(rid, None)
+
+    def check(now: float) -> None:
+        cands = tuple(rng.sample(ids, rng.randrange(1, n_replicas))) + ("nobody",)
+        if rng.random() < 0.3:
+            cands = (*ids, "nobody")
+        for doc in rng.sample(docs, 4):
+            keys = doc[: rng.randrange(0, 13)] + ([rng.getrandbits(64)] if rng.random() < 0.3 else [])
+            want = {r: _model_answer(keys, gpu[r], pred[r], host[r], now) if r in gpu else (0, 0) for r in cands}
+            assert idx.match_tiers(keys, cands, now) == want
+            assert idx.match(keys, cands, now) == {r: g for r, (g, _) in want.items()}
+            held = idx.match_held(keys, cands, now)
+            assert held == {r: v for r, v in want.items() if v[1] > 0}
+            counts["many"] += len(held) > 2 * _FEW_BITS
+    active = rng.sample(ids, 48)  # most events go to these, spread over every group
+    for step in range(2_500):
+        now += rng.random() * 0.2
+        rid = rng.choice(active) if rng.random() < 0.75 else rng.choice(ids)
+        op = rng.random()
+        if rid not in gpu:
+            if idx.add_replica(rid):
+                forget(rid)
+            else:  # refused only while every slot is a replica's or a load's
+                assert len(idx.replicas()) + len(idx._loads) == cap
+                counts["refused"] += 1
+            continue
+        doc = rng.choice(docs)
+        if op < 0.25:
+            batch = doc[: rng.randrange(1, 13)]
+            idx.apply_keys(rid, [KeysStored(None, keys_to_bytes(batch))])
+            gpu[rid] |= set(batch)
+            for k in batch:
+                pred[rid].pop(k, None)  # confirmed
+        elif op < 0.3:  # a prefix stored on many replicas at once (a system prompt)
+            batch = doc[: rng.randrange(1, 6)]
+            for r in rng.sample(sorted(gpu), len(gpu) // rng.choice((2, 3, 10))):
+                idx.apply_keys(r, [KeysStored(None, keys_to_bytes(batch))])
+                gpu[r] |= set(batch)
+                for k in batch:
+                    pred[r].pop(k, None)
+        elif op < 0.38:
+            batch = doc[rng.randrange(0, 6): rng.randrange(6, 13)]
+            idx.apply_keys(rid, [KeysStored(None, keys_to_bytes(batch), Tier.HOST)])
+            host[rid] |= set(batch)
+        elif op < 0.48:
+            batch = rng.sample(sorted(gpu[rid] | set(doc[:2])), rng.randrange(1, 3))
+            idx.apply_keys(rid, [KeysRemoved(keys_to_bytes(batch))])
+            gpu[rid] -= set(batch)  # a key held only by prediction stays predicted
+        elif op < 0.52:
+            batch = rng.sample(sorted(host[rid] | set(doc[:2])), rng.randrange(1, 3))
+            idx.apply_keys(rid, [KeysRemoved(keys_to_bytes(batch), Tier.HOST)])
+            host[rid] -= set(batch)
+        elif op < 0.62:
+            batch = doc[: rng.randrange(1, 13)]
+            until = now + rng.choice((0.1, 0.5, 2.0))
+            idx.predict(rid, batch, now, until - now)
+            for k in batch:
+                if k not in gpu[rid]:
+                    pred[rid][k] = until
+        elif op < 0.64:
+            tier = rng.choice((None, Tier.GPU, Tier.HOST))
+            idx.apply_keys(rid, [AllKeysCleared(tier)])
+            loads.pop(rid, None)  # superseded
+            if tier in (None, Tier.GPU):
+                gpu[rid], pred[rid] = set(), {}
+            if tier in (None, Tier.HOST):
+                host[rid] = set()
+        elif op < 0.66:
+            idx.remove_replica(rid)
+            del gpu[rid], host[rid], pred[rid]
+            loads.pop(rid, None)
+        elif op < 0.69:
+            new_gpu, new_host = doc[: rng.randrange(0, 13)], doc[: rng.randrange(0, 4)]
+            assert idx.load_snapshot(rid, keys_to_bytes(new_gpu), keys_to_bytes(new_host))
+            forget(rid)
+            gpu[rid], host[rid] = set(new_gpu), set(new_host)
+        elif op < 0.74:
+            new_gpu, new_host = doc[: rng.randrange(0, 13)], doc[: rng.randrange(0, 4)]
+            load = idx.begin_snapshot(rid, keys_to_bytes(new_gpu), new_host)
+            assert load is not None
+            counts["in_place"] += load.in_place
+            loads[rid] = (load, set(new_gpu), set(new_host))
+        elif op < 0.8 and rid in loads:
+            load, new_gpu_set, new_host_set = loads[rid]
+            if idx.snapshot_step(load, rng.randrange(1, 8)) and rng.random() < 0.6:  # type: ignore[arg-type]
+                assert idx.finish_snapshot(load)  # type: ignore[arg-type]
+                forget(rid)
+                gpu[rid], host[rid] = new_gpu_set, new_host_set
+            elif rng.random() < 0.1:
+                idx.cancel_snapshot(load)  # type: ignore[arg-type]
+                del loads[rid]
+        else:
+            idx.clear_step(rng.choice((1, 50, 1000)))
+        if step % 40 == 0:
+            check(now)
+        if step % 500 == 499:
+            assert sorted(idx.replicas()) == sorted(gpu)
+            assert idx.num_replica_blocks == sum(map(len, gpu.values())) + sum(map(len, host.values()))
+            assert all(idx.replica_blocks(r) == len(gpu[r]) and idx.replica_host_blocks(r) == len(host[r])
+                       for r in gpu)
+    for load, _, _ in loads.values():
+        idx.cancel_snapshot(load)  # type: ignore[arg-type]
+    drain(idx, 1000)
+    idx.expire(now)
+    check(now)
+    # Counts once every clear is done: a key once per group holding it (really or by prediction).
+    by_group: dict[int, set[int]] = {}
+    host_by_group: dict[int, set[int]] = {}
+    for r in gpu:
+        group = slot_of(idx, r) // GROUP_REPLICAS
+        by_group.setdefault(group, set()).update(gpu[r], (k for k, t in pred[r].items() if t > now))
+        host_by_group.setdefault(group, set()).update(host[r])
+    assert idx.num_keys == sum(map(len, by_group.values()))
+    assert idx.num_host_keys == sum(map(len, host_by_group.values()))
+    live = {slot_of(idx, r) for r in gpu}
+    for slot in range(idx._next_slot):
+        if slot not in live:
+            assert gpu_entries(idx, slot) == (0, 0) and host_entries(idx, slot) == (0, 0)
+    assert idx.num_groups == -(-min(idx._next_slot, cap) // GROUP_REPLICAS)
+    assert counts["many"] > 0 and counts["in_place"] > 0  # answers of many replicas; loads without a spare slot
+    # Memory: every group's tables and the pending expiries; all gone but the empty tables once nobody holds
+    # anything.
+    assert idx.memory_bytes() > 0
+    for r in list(gpu):
+        idx.remove_replica(r)
+    drain(idx, 10_000)
+    idx.expire(now + 10.0)
+    assert idx.num_keys == idx.num_host_keys == idx.num_replica_blocks == 0
+    fresh = BlockIndex()
+    fresh.add_replica("a")  # one group's empty tables
+    assert idx.memory_bytes() == idx.num_groups * fresh.memory_bytes()

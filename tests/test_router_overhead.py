@@ -106,7 +106,20 @@ def test_scale_index_is_built_through_apply_keys_and_measured() -> None:
     assert 8 <= r["bytes_per_entry_tracemalloc"] <= 200 and r["bytes_per_entry_index_estimate"] > 0
     assert 0 < r["lookup_8k_us"]["p50"] <= r["lookup_8k_us"]["p99"]
     assert 0 < r["keys_and_match_8k_us"]["p50"] <= r["keys_and_match_8k_us"]["p99"]
+    assert 0 < r["keys_and_match_held_8k_us"]["p50"] <= r["keys_and_match_held_8k_us"]["p99"]
     assert r["lookup_8k_us"]["longest_match_fraction"] > 0  # the prompts start with stored documents
+    # One group: each key once (the last document may be cut short of the entries wanted: 1,536 blocks at most).
+    assert r["groups"] == 1 and r["distinct_keys"] - 1536 <= r["table_keys"] <= r["distinct_keys"]
+
+
+def test_scale_past_one_group_of_128_replicas() -> None:
+    """200 replicas: two groups of the index's masks; the system prompts' keys are in both groups' tables."""
+    r = bench_scale(200, 120_000, 10)  # 8 x 64 system-prompt blocks on each: 102,400 entries, then documents
+    assert r["entries"] == 120_000 and r["replicas"] == 200 and r["groups"] == 2
+    # A key counts once per group holding it: the system prompts' 512 in both, a document in 1 or 2.
+    assert r["distinct_keys"] - 1536 + 512 <= r["table_keys"] <= 2 * r["distinct_keys"]
+    assert 0 < r["keys_and_match_held_8k_us"]["p50"] <= r["keys_and_match_held_8k_us"]["p99"]
+    assert r["lookup_8k_us"]["longest_match_fraction"] > 0
 
 
 def test_dynamo_stays_optional(monkeypatch) -> None:

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m bench.router_overhead [--json OUT] [--quick]
+    python -m bench.router_overhead [--json OUT] [--quick] [--scale-only]
 
 (``make bench`` writes ``reports/router_overhead.json`` and, beside it,
 ``reports/router_overhead.png``.)  One core, no tokenization, no engines, no
@@ -104,9 +104,16 @@ throughput, or ours over Dynamo's latency):
   through PyMem) and RSS growth over the first; the 8k-token lookup (ours,
   as above, every replica a candidate) p50 / p99 at 64 and at 16 replicas,
   and its index part alone (``keys_and_match_8k_us``: ``block_keys`` +
-  ``BlockIndex.match``), since the candidates' scoring grows with their
-  number while the index walk does not.  Dynamo is not measured at this
-  size.
+  ``BlockIndex.match``, which answers every candidate;
+  ``keys_and_match_held_8k_us``: ``block_keys`` + ``BlockIndex.match_held``,
+  which answers those holding something), since the candidates' scoring
+  grows with their number while the index walk does not.  And the same at
+  1,024 replicas (``SCALE_WIDE_REPLICAS``: eight groups of the index's
+  128-replica masks) over ``SCALE_WIDE_ENTRIES`` = 10 M entries, as many as
+  at 64 replicas (so 1/16 the load a replica: 160 M entries would not fit a
+  2-core, 23 GB benchmark machine in reasonable time); ``--quick``: 1 M.
+  ``--scale-only`` runs these three alone (no Dynamo).  Dynamo is not
+  measured at this size.
 
 Targets (``targets``, ``targets_met`` per target, None when not measured):
 router-side ingest >= 3x Dynamo's (the smaller ratio of the two block-size-16
@@ -115,7 +122,8 @@ Python API runs it; the ratio against ``find_matches`` alone is reported
 beside it), the index part of it (our ``block_keys`` + ``BlockIndex.match``,
 timed in the same turns) <= 0.25x Dynamo's hash + ``find_matches`` p99,
 <= 64 bytes per (replica, block) entry (tracemalloc, 10 M entries),
-64-replica 8k lookup p99 <= 2x the 16-replica one.
+8k lookup p99 at 64 replicas <= 1.5x the 16-replica one and at 1,024 replicas
+<= 4x, for the whole decision and for its index part (keys + match) alike.
 
 Dynamo's API, as used here: ``RadixTree()``, ``apply_event(worker_id,
 json_bytes)``, ``find_matches(local_hashes)`` -> ``OverlapScores.scores``

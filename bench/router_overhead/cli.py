@@ -1,5 +1,6 @@
-"""``python -m bench.router_overhead [--json OUT] [--quick]``: every benchmark in turn, with a
-progress line per result, then the table (and, with ``--json``, the JSON and the plot)."""
+"""``python -m bench.router_overhead [--json OUT] [--quick] [--scale-only]``: every benchmark in turn,
+with a progress line per result, then the table (and, with ``--json``, the JSON and the plot);
+``--scale-only``: the scale runs alone (16, 64 and 1,024 replicas; no Dynamo), their rows and targets."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from bench.router_overhead.fixtures import (
     SCALE_BASE_REPLICAS,
     SCALE_ENTRIES,
     SCALE_REPLICAS,
+    SCALE_WIDE_ENTRIES,
+    SCALE_WIDE_REPLICAS,
     STEADY_CAPACITY_BLOCKS,
     Stream,
 )
@@ -22,9 +25,9 @@ from bench.router_overhead.ingest import bench_ingest, ingest_ours, run_relays
 from bench.router_overhead.lookup import REQUEST_INTERVAL_S, add_host_tiers, bench_lookup
 from bench.router_overhead.match import MATCH_CHECK_PROMPTS, compare_matches
 from bench.router_overhead.peers import dynamo_version, load_dynamo
-from bench.router_overhead.report import machine, plot, print_table, python_loop_ns
+from bench.router_overhead.report import machine, plot, print_scale, print_table, python_loop_ns
 from bench.router_overhead.scale import bench_scale
-from bench.router_overhead.summary import Runs, build_result
+from bench.router_overhead.summary import Runs, build_result, scale_summary
 from routing.index import BlockIndex
 
 SIZES = {"1k": 1024, "8k": 8192, "32k": 32768}  # prompt lengths of the lookups
@@ -39,6 +42,10 @@ class Plan:
     counts: dict[str, int]
     """Timed lookups per prompt size."""
     scale_entries: int
+    """Entries of the 64-replica scale index (the 16-replica one has a quarter)."""
+    scale_wide_entries: int
+    """Entries of the 1,024-replica scale index: the quick run's must exceed the system prompts'
+    524,288 (8 x 64 blocks on every replica)."""
     scale_lookups: int
 
     @classmethod
@@ -46,7 +53,9 @@ class Plan:
         scale = 0.2 if quick else 1.0
         return cls(scale=scale, requests=int(1500 * scale),
                    counts={"1k": int(3000 * scale), "8k": int(2000 * scale), "32k": int(500 * scale)},
-                   scale_entries=SCALE_ENTRIES // 50 if quick else SCALE_ENTRIES, scale_lookups=int(2000 * scale))
+                   scale_entries=SCALE_ENTRIES // 50 if quick else SCALE_ENTRIES,
+                   scale_wide_entries=SCALE_WIDE_ENTRIES // 10 if quick else SCALE_WIDE_ENTRIES,
+                   scale_lookups=int(2000 * scale))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -54,9 +63,13 @@ def main(argv: list[str] | None = None) -> dict:
                                      description="Router overhead vs Dynamo: ingest, lookup latency, index memory.")
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT (and a PNG beside it)")
     parser.add_argument("--quick", action="store_true", help="smaller workload (smoke test)")
+    parser.add_argument("--scale-only", action="store_true",
+                        help="only the scale runs (16, 64 and 1,024 replicas), without Dynamo")
     args = parser.parse_args(argv)
     plan = Plan.of(args.quick)
     started = time.perf_counter()
+    if args.scale_only:
+        return scale_only(plan, args.json, started)
 
     core, why = load_dynamo()
     print(f"Dynamo: {'ai-dynamo-runtime ' + dynamo_version() if core else 'not measured: ' + why}", flush=True)
@@ -186,18 +199,40 @@ def host_tier_lookups(tree: Any, core: Any | None, stream: Stream, plan: Plan, r
     del tiered, frames
 
 
+def scale_only(plan: Plan, out: str | None, started: float) -> dict:
+    """``--scale-only``: the scale runs, their rows and targets (and the JSON at ``out``)."""
+    where = machine()
+    print(f"machine: {where['cpu']}, {where['cpus']} CPUs, {where['platform']}", flush=True)
+    calibration_before = python_loop_ns()
+    result: dict[str, Any] = {"scale": scale_summary(run_scale(plan)), "machine": where,
+                              "python_loop_ns": {"before": calibration_before, "after": python_loop_ns()}}
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    print_scale(result)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+        print(f"wrote {out}")
+    return result
+
+
 def run_scale(plan: Plan) -> dict[str, dict]:
-    """The scale index at 16 and at 64 replicas (the same load per replica)."""
+    """The scale index at 16 and at 64 replicas (the same load per replica), and at 1,024 replicas
+    (``plan.scale_wide_entries``: as many entries as at 64, so 1/16 the load per replica)."""
     scale_results: dict[str, dict] = {}
-    for replicas in (SCALE_BASE_REPLICAS, SCALE_REPLICAS):
-        entries = plan.scale_entries * replicas // SCALE_REPLICAS
+    for replicas in (SCALE_BASE_REPLICAS, SCALE_REPLICAS, SCALE_WIDE_REPLICAS):
+        entries = (plan.scale_wide_entries if replicas == SCALE_WIDE_REPLICAS
+                   else plan.scale_entries * replicas // SCALE_REPLICAS)
         print(f"scale: building {entries:,} entries over {replicas} replicas ...", flush=True)
         s = scale_results[str(replicas)] = bench_scale(replicas, entries, plan.scale_lookups)
         print(f"scale, {replicas} replicas: {s['entries']:,} entries ({s['distinct_keys']:,} keys) built in "
               f"{s['build_s']:.2f} s ({s['build_entries_per_s']:,.0f} entries/s); bytes per entry "
               f"{s['bytes_per_entry_tracemalloc']:.1f} (tracemalloc), {s['bytes_per_entry_index_estimate']:.1f} "
               f"(index estimate), {s['bytes_per_entry_rss']:.1f} (RSS); 8k lookup p50 "
-              f"{s['lookup_8k_us']['p50']:.1f} us p99 {s['lookup_8k_us']['p99']:.1f} us", flush=True)
+              f"{s['lookup_8k_us']['p50']:.1f} us p99 {s['lookup_8k_us']['p99']:.1f} us; index part (keys + "
+              f"match) p50 {s['keys_and_match_8k_us']['p50']:.1f} us p99 {s['keys_and_match_8k_us']['p99']:.1f} us,"
+              f" keys + match_held p99 {s['keys_and_match_held_8k_us']['p99']:.1f} us", flush=True)
         gc.collect()
     return scale_results
 

@@ -1,5 +1,6 @@
 """Match answers: ours against Dynamo's for the same prompts (``match_agreement``), and the
-index's share of the lookup timed alone (``keys_and_match_8k_us`` of the scale runs)."""
+index's share of the lookup timed alone (``keys_and_match_8k_us`` and ``keys_and_match_held_8k_us``
+of the scale runs)."""
 
 from __future__ import annotations
 
@@ -37,12 +38,16 @@ def compare_matches(index: BlockIndex, tree: Any, core: Any, docs: Sequence[Sequ
 
 
 def bench_match(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: int, prompt_len: int, n: int,
-                replicas: Sequence[str]) -> dict:
-    """The index's share of the lookup alone: ``block_keys`` + ``BlockIndex.match`` over ``replicas``.
+                replicas: Sequence[str], method: str = "match") -> dict:
+    """The index's share of the lookup alone: ``block_keys`` + ``BlockIndex.match`` (or ``method``:
+    ``match_held``, the answer of the candidates holding something only) over ``replicas``.
 
     Same prompts as ``bench_lookup``; no candidates, no scoring.
     """
+    if method not in ("match", "match_held", "match_tiers"):
+        raise ValueError(f"method must be match, match_held or match_tiers, got {method!r}")
     replicas = tuple(replicas)
+    match = getattr(index, method)
     samples: list[int] = []
     gc.collect()
     for i, tokens in enumerate(prompts(docs, prompt_len, n + WARMUP_LOOKUPS, seed=prompt_len)):
@@ -50,7 +55,7 @@ def bench_match(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: in
         keys = matched = None
         t0 = time.perf_counter_ns()
         keys = block_keys(prompt, block_size)
-        matched = index.match(keys, replicas, 0.0)
+        matched = match(keys, replicas, 0.0)
         t1 = time.perf_counter_ns()
         if i >= WARMUP_LOOKUPS:
             samples.append(t1 - t0)

@@ -104,24 +104,54 @@ def _host_tier_rows(result: dict) -> list[Row]:
 
 
 def _scale_rows(result: dict) -> list[Row]:
-    rows: list[Row] = []
-    s64, s16 = result["scale"]["64"], result["scale"]["16"]
-    rows.append((f"bytes per entry, {s64['entries'] / 1e6:.1f} M entries",
-                 f"{s64['bytes_per_entry_tracemalloc']:.1f}", "-", "", "<= 64"))
-    rows.append(("  index estimate / RSS growth",
-                 f"{s64['bytes_per_entry_index_estimate']:.1f} / {s64['bytes_per_entry_rss']:.1f}", "-", "", ""))
-    rows.append((f"build {s64['entries'] / 1e6:.1f} M entries (s)",
-                 f"{s64['build_s']:.2f}", "-", "", ""))
-    ratio = s64["lookup_8k_us"]["p99"] / s16["lookup_8k_us"]["p99"]
-    rows.append(("lookup 8k p50 / p99, 16 replicas", f"{_fmt(s16['lookup_8k_us']['p50'])} / "
-                 f"{_fmt(s16['lookup_8k_us']['p99'])}", "-", "", ""))
-    rows.append(("lookup 8k p50 / p99, 64 replicas", f"{_fmt(s64['lookup_8k_us']['p50'])} / "
-                 f"{_fmt(s64['lookup_8k_us']['p99'])}", "-", f"{ratio:.2f}x of 16", "<= 2x"))
-    m16, m64 = s16["keys_and_match_8k_us"], s64["keys_and_match_8k_us"]
-    rows.append(("  keys + match alone, 16 replicas", f"{_fmt(m16['p50'])} / {_fmt(m16['p99'])}", "-", "", ""))
-    rows.append(("  keys + match alone, 64 replicas", f"{_fmt(m64['p50'])} / {_fmt(m64['p99'])}", "-",
-                 f"{m64['p99'] / m16['p99']:.2f}x of 16", ""))
+    """Per replica count: 8k decision p50 / p99 and the index part alone (keys + match, keys +
+    match_held), bytes per entry; the p99 ratios to 16 replicas and their targets."""
+    from bench.router_overhead.summary import TARGET_SCALE_P99_RATIO, TARGET_WIDE_SCALE_P99_RATIO
+
+    scale = result["scale"]
+    s64 = scale["64"]
+    rows: list[Row] = [
+        (f"bytes per entry, 64 replicas, {s64['entries'] / 1e6:.1f} M entries",
+         f"{s64['bytes_per_entry_tracemalloc']:.1f}", "-", "", "<= 64"),
+        ("  index estimate / RSS growth",
+         f"{s64['bytes_per_entry_index_estimate']:.1f} / {s64['bytes_per_entry_rss']:.1f}", "-", "", ""),
+        (f"build {s64['entries'] / 1e6:.1f} M entries (s)", f"{s64['build_s']:.2f}", "-", "", ""),
+    ]
+    targets = {"64": f"<= {TARGET_SCALE_P99_RATIO:g}x", "1024": f"<= {TARGET_WIDE_SCALE_P99_RATIO:g}x"}
+    for n in ("16", "64", "1024"):
+        if n not in scale:
+            continue
+        s = scale[n]
+        if n == "1024":
+            rows.append((f"bytes per entry, 1024 replicas, {s['entries'] / 1e6:.1f} M entries "
+                         f"({s['groups']} groups)", f"{s['bytes_per_entry_tracemalloc']:.1f}", "-", "", ""))
+        for label, figure, name in (("lookup 8k p50 / p99 (whole decision)", "lookup_8k_us", "lookup_8k"),
+                                    ("  index part: keys + match", "keys_and_match_8k_us", "keys_and_match_8k"),
+                                    ("  index part: keys + match_held", "keys_and_match_held_8k_us",
+                                     "keys_and_match_held_8k")):
+            if figure not in s:
+                continue
+            ratio = scale.get(f"{name}_p99_ratio_{n}_vs_16")
+            rows.append((f"{label}, {n} replicas", f"{_fmt(s[figure]['p50'])} / {_fmt(s[figure]['p99'])}", "-",
+                         f"{ratio:.2f}x of 16" if ratio is not None else "",
+                         targets.get(n, "") if name != "keys_and_match_held_8k" else ""))
     return rows
+
+
+def print_scale(result: dict) -> None:
+    """The scale rows and the scale targets (``--scale-only``)."""
+    from bench.router_overhead.summary import SCALE_TARGETS, TARGETS, scale_targets_met
+
+    rows = _scale_rows(result)
+    header = ("", "ours", "Dynamo", "ratio", "target")
+    widths = [max(len(r[i]) for r in [*rows, header]) for i in range(5)]
+    print()
+    for r in [header, *rows]:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))))
+    print()
+    met = scale_targets_met(result["scale"])
+    for name in SCALE_TARGETS:
+        print(f"target {name} ({TARGETS[name]}): {_met(met[name])}")
 
 
 def plot(result: dict, path: str) -> None:
@@ -179,14 +209,15 @@ def _plot_lookup(ax: Any, result: dict) -> None:
 
 def _plot_scale(ax: Any, result: dict) -> None:
     scale = result["scale"]
-    labels = [f"16 replicas\n{scale['16']['entries']:,} entries", f"64 replicas\n{scale['64']['entries']:,} entries"]
-    xs = np.arange(2)
+    runs = [k for k in ("16", "64", "1024") if k in scale]
+    labels = [f"{k} replicas\n{scale[k]['entries']:,} entries" for k in runs]
+    xs = np.arange(len(runs))
     for i, q in enumerate(("p50", "p99")):
-        values = [scale[k]["lookup_8k_us"][q] for k in ("16", "64")]
+        values = [scale[k]["lookup_8k_us"][q] for k in runs]
         bars = ax.bar(xs + (i - 0.5) * 0.35, values, 0.35, label=f"router path {q}",
                       color=("tab:cyan", "tab:blue")[i])
         ax.bar_label(bars, [f"{v:.0f}" for v in values], fontsize=7)
-    ax.plot(xs, [scale[k]["keys_and_match_8k_us"]["p99"] for k in ("16", "64")], "k_", markersize=30,
+    ax.plot(xs, [scale[k]["keys_and_match_8k_us"]["p99"] for k in runs], "k_", markersize=30,
             mew=2, label="keys + match alone, p99")
     ax.set_xticks(xs, labels)
     ax.set_ylabel("ours: 8k-token lookup (µs)")

@@ -1,5 +1,5 @@
 """Scale: an index of millions of (replica, block) entries; its build, its memory and its
-8k-token lookups at 16 and 64 replicas (``scale`` in the JSON)."""
+8k-token lookups at 16, 64 and 1,024 replicas (``scale`` in the JSON)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _rss_bytes() -> int:
 
 
 def _build_index(batches: list[tuple[str, list]], replicas: int, entries: int) -> tuple[float, BlockIndex]:
-    index = BlockIndex(max_blocks=entries + 1)
+    index = BlockIndex(max_blocks=entries + 1, max_replicas=max(replicas, 1))
     for r in range(replicas):
         index.add_replica(f"replica-{r}")
     t0 = time.perf_counter()
@@ -33,7 +33,14 @@ def _build_index(batches: list[tuple[str, list]], replicas: int, entries: int) -
 
 
 def bench_scale(replicas: int, entries: int, lookups: int, block_size: int = 16) -> dict:
-    """Build an index of ``entries`` entries over ``replicas`` replicas; memory and 8k-token lookups."""
+    """Build an index of ``entries`` entries over ``replicas`` replicas; memory and 8k-token lookups.
+
+    ``lookup_8k_us``: the router's whole decision (``bench_lookup``: keys, index, scoring of every
+    candidate); ``keys_and_match_8k_us`` / ``keys_and_match_held_8k_us``: the index part alone
+    (``block_keys`` + ``BlockIndex.match``, which answers every candidate, / ``match_held``, which
+    answers those holding something).  ``entries`` must exceed the system prompts' share
+    (``SCALE_SYSTEM_PROMPTS`` x 64 blocks on every replica) for documents to be looked up.
+    """
     t0 = time.perf_counter()
     batches, docs, distinct = scale_workload(replicas, entries, block_size)
     made_s = time.perf_counter() - t0
@@ -53,11 +60,14 @@ def bench_scale(replicas: int, entries: int, lookups: int, block_size: int = 16)
     ids = [f"replica-{r}" for r in range(replicas)]
     lookup = bench_lookup(index, docs, block_size, 8192, lookups, blind_window=False, replicas=ids)
     match = bench_match(index, docs, block_size, 8192, lookups, ids)
+    held = bench_match(index, docs, block_size, 8192, lookups, ids, method="match_held")
     return {
         "replicas": replicas,
         "entries": index.num_replica_blocks,
         "distinct_keys": distinct,
         "mean_copies_per_key": round(entries / distinct, 2),
+        "groups": index.num_groups,
+        "table_keys": index.num_keys,
         "workload_s": round(made_s, 1),
         "build_s": round(build_s, 2),
         "build_entries_per_s": round(entries / build_s),
@@ -67,4 +77,5 @@ def bench_scale(replicas: int, entries: int, lookups: int, block_size: int = 16)
         "bytes_per_entry_index_estimate": round(index.bytes_per_block(), 1),
         "lookup_8k_us": lookup,
         "keys_and_match_8k_us": match,
+        "keys_and_match_held_8k_us": held,
     }
