@@ -83,7 +83,9 @@ def _optimal_hit_tokens(requests, block_size: int, capacity: int) -> int:
             n += 1
         hits += n * block_size
         for pos, (k, nxt) in enumerate(zip(keys[:stored], next_use_of_stored[i], strict=False)):
-            if cached.get(k) != nxt:
+            if nxt == never:  # never looked up again: MIN would evict it before any other, so it takes no place
+                cached.pop(k, None)
+            elif cached.get(k) != nxt:
                 cached[k] = nxt
                 push(heap, (-nxt, -pos, k))
         while len(cached) > capacity:

@@ -92,7 +92,7 @@ from bench.sim.workload import SimRequest
 from routing import defaults
 from routing.events import BlockRemoved, BlockStored
 from routing.index import BlockIndex
-from routing.router_state import Candidate, RouteRequest
+from routing.router_state import Candidate, CandidateSet, RouteRequest
 
 if TYPE_CHECKING:  # pragma: no cover
     from bench.sim.replica import Replica
@@ -530,6 +530,10 @@ class PrefixAffinityPolicy(Policy):
         self.router.release_prefill_at_first_token = self.release_prefill_at_first_token
         self.scraper = StatsScraper(ctx.replicas, ctx.routing_stats_period_s)
         self.reasons: dict[str, int] = {}
+        self._cset: CandidateSet | None = None
+        self._cset_of: list[int] = []
+        self._snaps: list[dict[str, Any]] = []
+        self._index_of = {rid: i for i, rid in enumerate(ctx.ids)}
 
     @property
     def index(self):
@@ -541,10 +545,16 @@ class PrefixAffinityPolicy(Policy):
 
     def choose(self, req, candidates, now):
         bs = self.ctx.block_size
-        cands = [Candidate(self.ctx.ids[r], self.scraper.get(r, now), self.ctx.max_ongoing_requests)
-                 for r in candidates]
+        snaps = [self.scraper.get(r, now) for r in candidates]
+        # As Serve hands the live router the same list until a replica or its stats change, and the
+        # router keeps one CandidateSet per list: a new set only when the candidates or a snapshot do.
+        if self._cset is None or candidates != self._cset_of \
+                or any(a is not b for a, b in zip(snaps, self._snaps, strict=True)):
+            self._cset = CandidateSet([Candidate(self.ctx.ids[r], snap, self.ctx.max_ongoing_requests)
+                                       for r, snap in zip(candidates, snaps, strict=True)])
+            self._cset_of, self._snaps = list(candidates), snaps
         request = RouteRequest(req.keys[: req.prompt_len // bs], req.prompt_len, bs)
-        return self.ctx.ids.index(self.router.choose(str(req.rid), request, cands, now).replica_id)
+        return self._index_of[self.router.choose(str(req.rid), request, self._cset, now).replica_id]
 
     def routed(self, req, r, now):
         routed = self.router.routed(str(req.rid), self.ctx.ids[r], now)
