@@ -2,6 +2,8 @@
 
 ``build_app(args)`` validates ``args`` with ``app.config.AppArgs`` and returns the
 bound Serve application: ``OpenAIIngress`` in front of ``VLLMEngine`` replicas.
+Each deployment gets a fixed ``num_replicas`` or, with ``engine_replicas.autoscaling``
+(``ingress_replicas.autoscaling``), Serve's ``autoscaling_config`` (``replica_count``).
 Both deployments' ``graceful_shutdown_timeout_s`` is ``lifecycle.drain_timeout_s``
 (``request_timeout_s`` + ``drain_margin_s``): a replica stopped by a redeploy or a
 scale-down lets every request the ingress allows finish.
@@ -22,7 +24,7 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from app.config import AppArgs, parse_app_args
+from app.config import AppArgs, ReplicaConfig, parse_app_args
 from app.engine import VLLMEngine
 from app.ingress import OpenAIIngress
 
@@ -77,6 +79,25 @@ def check_build(cfg: AppArgs, build: str | None) -> None:
             "EXTRA=gpu) on GPU nodes")
 
 
+def replica_count(replicas: ReplicaConfig) -> dict[str, Any]:
+    """The deployment options that set a deployment's replica count: ``{"num_replicas": n}``, or
+    ``{"autoscaling_config": {...}}`` (Serve's fields, ``AutoscalingConfig.serve_options``) when
+    ``replicas.autoscaling`` is set (``ReplicaConfig`` allows exactly one of the two)."""
+    if replicas.autoscaling is not None:
+        return {"autoscaling_config": replicas.autoscaling.serve_options(replicas.max_ongoing_requests)}
+    return {"num_replicas": replicas.num_replicas}
+
+
+def actor_options(replicas: ReplicaConfig, num_gpus: float | None = None) -> dict[str, Any]:
+    """A deployment's ``ray_actor_options``: ``num_cpus``, ``num_gpus`` (``replicas.num_gpus`` unless
+    given) and, when set, ``resources`` (Ray custom resources: replicas start only on nodes offering them)."""
+    options: dict[str, Any] = {"num_cpus": replicas.num_cpus,
+                               "num_gpus": replicas.num_gpus if num_gpus is None else num_gpus}
+    if replicas.resources:
+        options["resources"] = dict(replicas.resources)
+    return options
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Return the bound application; raises ``ValueError`` naming every bad arg
     (``router.load_factor: ...``, ``model: path '...' does not exist ...``) and any key
@@ -89,7 +110,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     er = cfg.engine_replicas
     tp = cfg.engine.tensor_parallel_size
     engine_options: dict[str, Any] = dict(
-        num_replicas=er.num_replicas,
+        **replica_count(er),
         max_ongoing_requests=er.max_ongoing_requests,
         request_router_config=router_config(kwargs=cfg.router.model_dump()),
         health_check_period_s=10,
@@ -98,17 +119,19 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     )
     if tp > 1:
         # One bundle per tensor-parallel worker, packed on one node.
-        engine_options["placement_group_bundles"] = [{"CPU": er.num_cpus, "GPU": 1}] + [{"GPU": 1}] * (tp - 1)
+        # The replica actor runs in the first bundle: its custom resources are reserved there.
+        engine_options["placement_group_bundles"] = ([{"CPU": er.num_cpus, "GPU": 1, **(er.resources or {})}]
+                                                     + [{"GPU": 1}] * (tp - 1))
         engine_options["placement_group_strategy"] = "STRICT_PACK"
-        engine_options["ray_actor_options"] = {"num_cpus": er.num_cpus, "num_gpus": 0}
+        engine_options["ray_actor_options"] = actor_options(er, num_gpus=0)
     else:
-        engine_options["ray_actor_options"] = {"num_cpus": er.num_cpus, "num_gpus": er.num_gpus}
+        engine_options["ray_actor_options"] = actor_options(er)
     # @serve.deployment made both classes Deployments; mypy keeps a decorated class's own type.
     engine = VLLMEngine.options(**engine_options).bind(cfg.model_dump())  # type: ignore[attr-defined]
     ir = cfg.ingress_replicas
     return OpenAIIngress.options(  # type: ignore[attr-defined]
-        num_replicas=ir.num_replicas,
+        **replica_count(ir),
         max_ongoing_requests=ir.max_ongoing_requests,
         graceful_shutdown_timeout_s=drain,
-        ray_actor_options={"num_cpus": ir.num_cpus},
+        ray_actor_options=actor_options(ir),
     ).bind(engine, cfg.model_dump())

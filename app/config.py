@@ -78,13 +78,136 @@ class EngineConfig(_Strict):
         return self
 
 
-class ReplicaConfig(_Strict):
-    """Ray resources and count for one deployment's replicas."""
+def _field_error(model: str, loc: tuple[str, ...], value: Any, kind: str, message: str,
+                 ctx: dict[str, Any]) -> ValidationError:
+    """A ``ValidationError`` located at ``loc`` (pydantic prefixes the enclosing fields), so
+    ``parse_app_args`` names the key, e.g. ``engine_replicas.autoscaling.max_replicas``."""
+    return ValidationError.from_exception_data(model, [InitErrorDetails(
+        type=PydanticCustomError(kind, message, ctx), loc=loc, input=value)])
 
-    num_replicas: int = Field(..., ge=1)
+
+class AutoscalingConfig(_Strict):
+    """Serve's ``autoscaling_config`` for one deployment (``ReplicaConfig.autoscaling``).
+
+    Each field is the Serve field of the same name (``ray.serve.config.AutoscalingConfig``;
+    Serve's default policy: ``replicas = ceil(requests in flight and queued, averaged over
+    look_back_period_s / target_ongoing_requests)``, within ``[min_replicas, max_replicas]``,
+    applied once the wish has lasted ``upscale_delay_s`` / ``downscale_delay_s``).
+    ``serve_options`` gives the dict the builder passes to Serve. Which replica a
+    scale-down stops is Serve's choice, not the app's (docs/configuration.md).
+    """
+
+    min_replicas: int = Field(
+        1, ge=1,
+        description="fewest replicas (at least 1: an engine takes minutes to load and starts with an empty "
+                    "cache, so the app does not scale to zero)",
+    )
+    max_replicas: int = Field(..., ge=1, description="most replicas (at most what the cluster can place)")
+    initial_replicas: int | None = Field(
+        None, ge=1, description="replicas started at deploy, within [min_replicas, max_replicas]; None: min_replicas",
+    )
+    target_ongoing_requests: float | None = Field(
+        None, gt=0.0,
+        description="requests in flight (queued at the routers included) per replica Serve scales towards; "
+                    "None: half of the deployment's max_ongoing_requests (Serve's own default, 2, suits no "
+                    "batching engine); at most max_ongoing_requests",
+    )
+    upscale_delay_s: float = Field(30.0, ge=0.0, description="seconds the wish to scale up must last before it is "
+                                                             "acted on")
+    downscale_delay_s: float = Field(
+        600.0, ge=0.0,
+        description="seconds the wish to scale down must last before a replica is stopped (and its KV cache lost)",
+    )
+    metrics_interval_s: float = Field(
+        10.0, gt=0.0,
+        description="how often the routers push load to the Serve controller (Serve deprecates the field: a "
+                    "later Ray reads RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S instead)",
+    )
+    look_back_period_s: float = Field(30.0, gt=0.0, description="window the load is averaged over (above "
+                                                                "metrics_interval_s)")
+    upscaling_factor: float | None = Field(None, gt=0.0, description="gain on each upscale step (None: 1)")
+    downscaling_factor: float | None = Field(None, gt=0.0, description="gain on each downscale step (None: 1)")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingConfig:
+        if self.max_replicas < self.min_replicas:
+            raise _field_error("AutoscalingConfig", ("max_replicas",), self.max_replicas, "replica_bounds",
+                               "{max} is below min_replicas = {min}", {"max": self.max_replicas,
+                                                                       "min": self.min_replicas})
+        if self.look_back_period_s <= self.metrics_interval_s:  # Serve warns now, and will refuse it
+            raise _field_error("AutoscalingConfig", ("look_back_period_s",), self.look_back_period_s, "look_back",
+                               "{look} must exceed metrics_interval_s = {every}: the window would hold at most "
+                               "one report", {"look": self.look_back_period_s, "every": self.metrics_interval_s})
+        n = self.initial_replicas
+        if n is not None and not self.min_replicas <= n <= self.max_replicas:
+            raise _field_error("AutoscalingConfig", ("initial_replicas",), n, "replica_bounds",
+                               "{n} is outside [min_replicas, max_replicas] = [{min}, {max}]",
+                               {"n": n, "min": self.min_replicas, "max": self.max_replicas})
+        return self
+
+    def serve_options(self, max_ongoing_requests: int) -> dict[str, Any]:
+        """The deployment's ``autoscaling_config`` (a dict of Serve's fields), the target filled in:
+        ``max_ongoing_requests / 2`` when unset; unset factors and ``initial_replicas`` left out."""
+        target = self.target_ongoing_requests or max_ongoing_requests / 2
+        return {**self.model_dump(exclude_none=True), "target_ongoing_requests": target}
+
+
+RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+"""Ray's own resource names: a replica asks for them by their own options, never in ``resources``."""
+
+
+class ReplicaConfig(_Strict):
+    """Ray resources and count for one deployment's replicas.
+
+    The count is either fixed (``num_replicas``) or left to Serve's autoscaler
+    (``autoscaling``), never both: Serve refuses a fixed count beside an
+    ``autoscaling_config``, so ``num_replicas`` must then be left out (or null), and
+    ``autoscaling.initial_replicas`` sets the count at deploy.
+    """
+
+    num_replicas: int | None = Field(None, ge=1, description="fixed replica count; required unless autoscaling")
+    autoscaling: AutoscalingConfig | None = Field(None, description="Serve's autoscaler sets the count")
     num_cpus: float = Field(..., gt=0.0)
     num_gpus: float = Field(0.0, ge=0.0)
     max_ongoing_requests: int = Field(64, ge=1)
+    resources: dict[str, float] | None = Field(
+        None,
+        description="Ray custom resources each replica needs (ray_actor_options['resources']), e.g. "
+                    "{'rtx4090': 1}: replicas start only on nodes that offer them (`ray start --resources`)",
+    )
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        """Names Ray accepts as custom resources; amounts above 0 in Ray's 0.0001 steps."""
+        for name, amount in (v or {}).items():
+            if not name.strip():
+                raise ValueError("a resource name is empty")
+            if name in RAY_BUILTIN_RESOURCES:
+                raise ValueError(f"{name!r} is not a custom resource: set num_cpus / num_gpus (or leave "
+                                 "memory to Ray) instead")
+            if amount <= 0 or abs(amount * 10_000 - round(amount * 10_000)) > 1e-6:
+                raise ValueError(f"{name!r}: {amount} must be above 0 and a multiple of 0.0001 (Ray's unit)")
+        return v
+
+    @model_validator(mode="after")
+    def _count(self) -> ReplicaConfig:
+        """A fixed count or autoscaling, exactly one; the target within ``max_ongoing_requests``."""
+        scaling = self.autoscaling
+        if scaling is None and self.num_replicas is None:
+            raise _field_error("ReplicaConfig", ("num_replicas",), None, "missing",
+                               "required unless autoscaling is set", {})
+        if scaling is not None and self.num_replicas is not None:
+            raise _field_error("ReplicaConfig", ("num_replicas",), self.num_replicas, "count_and_autoscaling",
+                               "a fixed count ({n}) and autoscaling exclude each other (Serve refuses both); "
+                               "remove num_replicas, or set autoscaling.initial_replicas", {"n": self.num_replicas})
+        target = scaling.target_ongoing_requests if scaling is not None else None
+        if target is not None and target > self.max_ongoing_requests:
+            raise _field_error("ReplicaConfig", ("autoscaling", "target_ongoing_requests"), target, "target_above_cap",
+                               "{target} is above max_ongoing_requests = {cap}: every replica would be full, "
+                               "requests queueing, before Serve added one",
+                               {"target": target, "cap": self.max_ongoing_requests})
+        return self
 
 
 _POLICY = PolicyConfig()

@@ -35,7 +35,7 @@ from typing import Any
 
 from ray import serve
 
-from app import metrics_server, tracing
+from app import metrics_server, node_address, tracing
 from app import probe as request_probe
 from app.config import AppArgs
 from app.protocol import (
@@ -117,7 +117,6 @@ class VLLMEngine:
     """
 
     def __init__(self, args: dict[str, Any]):
-        import ray
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from app.frontend import EngineFrontend, engine_args
@@ -126,9 +125,10 @@ class VLLMEngine:
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         tracing.setup_tracing(cfg.tracing, "engine")
-        # vLLM binds tcp://*:0 to this node's IP; tell it the IP Ray uses so the
-        # endpoint is reachable from other nodes (and no lookup leaves the host).
-        os.environ.setdefault("VLLM_HOST_IP", ray.util.get_node_ip_address())
+        # The relay and metrics endpoints bind and announce this node's Ray IP, which
+        # routers on other nodes reach (app.node_address: a VLLM_HOST_IP naming another
+        # address is ignored with a warning); vLLM's own sockets read it from VLLM_HOST_IP.
+        self.node_ip = node_address.resolve()
         if os.path.isdir(cfg.resolved_model()):
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -158,13 +158,13 @@ class VLLMEngine:
         source = sources[min(sources)]
         # Started before the engine's first request: it sees every event from seq 0.
         self.relay = RelayServer(source.endpoint, source.replay_endpoint, self.block_size,
-                                 bind_host=os.environ["VLLM_HOST_IP"], topic=f"keys@{self.replica_id}")
+                                 bind_host=self.node_ip, topic=f"keys@{self.replica_id}")
         self.started_at = time.time()
         self._warmed = False
         self._warmup_lock = asyncio.Lock()
         self._warmup_task: asyncio.Future | None = None
         self._warmup_retry_at = 0.0
-        self.metrics_target = metrics_server.start(os.environ["VLLM_HOST_IP"])
+        self.metrics_target = metrics_server.start(self.node_ip)
         logger.info(
             "engine replica %s up: KV-event relay on %s, snapshots on %s",
             self.replica_id, self.relay.events_endpoint, self.relay.snapshot_endpoint,

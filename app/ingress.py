@@ -36,7 +36,6 @@ catches Ray's ``RayTaskError(OpenAIError)`` with ``except OpenAIError``; see
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -45,7 +44,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import Response
 
-from app import auth, metrics, metrics_server, results, tracing
+from app import auth, metrics, metrics_server, node_address, results, tracing
 from app.admin import METRICS_PATHS, PUBLIC_PATHS, AdminRoutes
 from app.config import AppArgs
 from app.errors import quiet_client_errors
@@ -63,8 +62,6 @@ class OpenAIIngress(AdminRoutes):
     """Validates, renders once and forwards requests to the engine deployment (see module doc)."""
 
     def __init__(self, engine: DeploymentHandle, args: dict[str, Any]):
-        import ray
-
         from app.frontend import Renderer
 
         self.args = AppArgs.model_validate(args)
@@ -72,12 +69,12 @@ class OpenAIIngress(AdminRoutes):
         self.serving = OpenAIServing(self.args, engine, Renderer(self.args))
         tracing.setup_tracing(self.args.tracing, "ingress")
         auth.configure(self.args.api_key_env, PUBLIC_PATHS | (METRICS_PATHS if self.args.metrics_public else set()))
-        # This replica's own Prometheus endpoint (on the node IP the engines bind too),
-        # announced for /metrics/ingresses.
+        # This replica's own Prometheus endpoint, on its node's Ray IP (app.node_address: the
+        # rule the engines follow too), announced for /metrics/ingresses.
         ctx = serve.get_replica_context()
-        host = os.environ.get("VLLM_HOST_IP") or ray.util.get_node_ip_address()
         self.announcer = Announcer(ctx.app_name, ctx.replica_id.unique_id,
-                                   metrics_server.start(host, before_scrape=metrics.refresh_router_gauges))
+                                   metrics_server.start(node_address.resolve(),
+                                                        before_scrape=metrics.refresh_router_gauges))
         quiet_client_errors()  # a handle caller's 4xx: no traceback in this replica's log
         for route in ROUTES.values():
             for status in results.STATUSES:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import yaml
 
@@ -330,3 +332,114 @@ def test_kuberay_pods_outlast_the_drain():
 def test_bad_lifecycle_args_fail_naming_the_key(lifecycle, needle):
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
         parse_app_args({"lifecycle": lifecycle})
+
+
+def _deployment_configs(application):
+    """``(ingress, engine)`` Serve deployment configs of a built (not running) application."""
+    ingress = application._bound_deployment  # noqa: SLF001 - the bound ingress and its engine argument
+    engine = next(a for a in ingress.init_args if hasattr(a, "_bound_deployment"))._bound_deployment
+    return ingress._deployment_config, engine._deployment_config  # noqa: SLF001
+
+
+AUTOSCALING_OK = {"min_replicas": 1, "max_replicas": 3, "upscale_delay_s": 5, "downscale_delay_s": 60,
+                  "metrics_interval_s": 2, "look_back_period_s": 10}
+
+
+@pytest.mark.parametrize("replicas, needle", [
+    ({"num_cpus": 1}, "engine_replicas.num_replicas: required unless autoscaling is set"),
+    ({"num_replicas": 2, "num_cpus": 1, "autoscaling": {"max_replicas": 2}},
+     "engine_replicas.num_replicas: a fixed count (2) and autoscaling exclude each other"),
+    ({"num_cpus": 1, "autoscaling": {"min_replicas": 3, "max_replicas": 2}},
+     "engine_replicas.autoscaling.max_replicas: 2 is below min_replicas = 3"),
+    ({"num_cpus": 1, "autoscaling": {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 3}},
+     "engine_replicas.autoscaling.initial_replicas: 3 is outside [min_replicas, max_replicas] = [1, 2]"),
+    ({"num_cpus": 1, "max_ongoing_requests": 16, "autoscaling": {"max_replicas": 2, "target_ongoing_requests": 17}},
+     "engine_replicas.autoscaling.target_ongoing_requests: 17.0 is above max_ongoing_requests = 16"),
+    ({"num_cpus": 1, "autoscaling": {"min_replicas": 0, "max_replicas": 2}},
+     "engine_replicas.autoscaling.min_replicas"),
+    ({"num_cpus": 1, "autoscaling": {"min_replicas": 1}}, "engine_replicas.autoscaling.max_replicas: Field required"),
+    ({"num_cpus": 1, "autoscaling": {"max_replicas": 2, "upscale_delay": 1}},
+     "engine_replicas.autoscaling.upscale_delay: Extra inputs"),
+    ({"num_cpus": 1, "autoscaling": {"max_replicas": 2, "downscale_delay_s": -1}},
+     "engine_replicas.autoscaling.downscale_delay_s"),
+    ({"num_cpus": 1, "autoscaling": {"max_replicas": 2, "look_back_period_s": 0}},
+     "engine_replicas.autoscaling.look_back_period_s"),
+    ({"num_cpus": 1, "autoscaling": {"max_replicas": 2, "look_back_period_s": 5, "metrics_interval_s": 5}},
+     "engine_replicas.autoscaling.look_back_period_s: 5.0 must exceed metrics_interval_s = 5.0"),
+    ({"num_cpus": 1, "autoscaling": {"max_replicas": 2, "metrics_interval_s": float("nan")}},
+     "engine_replicas.autoscaling.metrics_interval_s"),
+    ({"num_cpus": 1, "autoscaling": {"max_replicas": 2, "target_ongoing_requests": 0}},
+     "engine_replicas.autoscaling.target_ongoing_requests"),
+    ({"num_cpus": 1, "autoscaling": {"max_replicas": 2, "upscaling_factor": 0}},
+     "engine_replicas.autoscaling.upscaling_factor"),
+])
+def test_bad_autoscaling_fails_the_build_naming_the_key(replicas, needle):
+    from app.builder import build_app
+
+    for call in (parse_app_args, build_app):
+        with pytest.raises(ValueError) as e:
+            call({"engine_replicas": replicas})
+        assert needle in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match=r"ingress_replicas\.num_replicas: a fixed count"):
+        parse_app_args({"ingress_replicas": {"num_replicas": 1, "num_cpus": 1, "autoscaling": {"max_replicas": 2}}})
+
+
+def test_autoscaling_is_passed_to_serve_in_place_of_a_fixed_count():
+    from ray.serve.config import AutoscalingConfig
+
+    from app.builder import build_app
+
+    args = {"engine_replicas": {"num_cpus": 0.5, "max_ongoing_requests": 24,
+                                "autoscaling": {**AUTOSCALING_OK, "initial_replicas": 2}},
+            "ingress_replicas": {"num_cpus": 0.25, "max_ongoing_requests": 100,
+                                 "autoscaling": {"min_replicas": 2, "max_replicas": 4, "target_ongoing_requests": 30}}}
+    ingress, engine = _deployment_configs(build_app(args))
+    want = AutoscalingConfig(**AUTOSCALING_OK, initial_replicas=2, target_ongoing_requests=24 / 2)  # half the cap
+    assert engine.autoscaling_config == want
+    assert engine.max_ongoing_requests == 24
+    assert ingress.autoscaling_config == AutoscalingConfig(min_replicas=2, max_replicas=4, target_ongoing_requests=30)
+    # Serve's own defaults where the args leave a knob out (ours are Serve's, but for the target).
+    default = AutoscalingConfig(min_replicas=2, max_replicas=4)
+    for knob in ("upscale_delay_s", "downscale_delay_s", "metrics_interval_s", "look_back_period_s",
+                 "upscaling_factor", "downscaling_factor", "initial_replicas"):
+        assert getattr(ingress.autoscaling_config, knob) == getattr(default, knob), knob
+    # A fixed count: no autoscaler.
+    ingress, engine = _deployment_configs(build_app({"engine_replicas": {"num_replicas": 3, "num_cpus": 0.5}}))
+    assert (engine.num_replicas, engine.autoscaling_config) == (3, None)
+    assert (ingress.num_replicas, ingress.autoscaling_config) == (1, None)
+
+
+def test_4090_engines_autoscale_within_the_clusters_gpus(gpu_build):
+    """The 4090 config autoscales its engines, at most one a GPU of the cluster it is written for
+    (infra/cluster.4090.yaml: workers started with --num-gpus=1, the head with none), and KubeRay's
+    manifest embeds the same bounds over as many GPU worker Pods."""
+    from app.builder import build_app
+
+    entry = _app_entry(REPO / "infra" / "serve_config.4090.yaml")
+    scaling = parse_app_args(entry["args"]).engine_replicas.autoscaling
+    assert scaling is not None
+    cluster = yaml.safe_load((REPO / "infra" / "cluster.4090.yaml").read_text())
+    assert all("--num-gpus=1" in c for c in cluster["worker_start_ray_commands"] if "ray start" in c)
+    assert "--num-gpus=0" in " ".join(cluster["head_start_ray_commands"])
+    gpus = len(cluster["provider"]["worker_ips"])
+    assert cluster["max_workers"] == gpus
+    assert 2 <= scaling.min_replicas < scaling.max_replicas == gpus
+    _, engine = _deployment_configs(build_app(entry["args"]))
+    assert engine.autoscaling_config.max_replicas == gpus
+    workers = _kuberay_doc()["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert workers["maxReplicas"] == scaling.max_replicas
+
+
+def test_the_cpu_default_keeps_a_fixed_count_and_documents_the_knob():
+    """serve_config.yaml keeps 2 engines (its 2 cores), with the autoscaling block commented out
+    beside them: uncommented, it validates."""
+    text = (REPO / "serve_config.yaml").read_text()
+    args = parse_app_args(yaml.safe_load(text)["applications"][0]["args"])
+    assert args.engine_replicas.autoscaling is None and args.engine_replicas.num_replicas == 2
+    lines = [line.strip() for line in text.splitlines()]
+    start = lines.index("# autoscaling:")
+    block = [lines[start], *itertools.takewhile(lambda line: line.startswith("#   "), lines[start + 1:])]
+    commented = yaml.safe_load("\n".join(line[2:] for line in block))
+    assert len(commented["autoscaling"]) >= 7, commented
+    replicas = {"num_cpus": 0.5, "max_ongoing_requests": 32, **commented}
+    assert parse_app_args({"engine_replicas": replicas}).engine_replicas.autoscaling is not None
