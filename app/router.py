@@ -167,12 +167,16 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             self._own(self._update_state, replicas)
 
     def _own(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run ``fn(*args)`` now on the owner loop, or post it there from another thread."""
+        """Run ``fn(*args)`` now on the owner loop, or post it there from another thread (dropped,
+        counted, when that loop is closed: its process is shutting down)."""
         if self._on_owner_loop():
             fn(*args)
-        else:
-            assert self.loop is not None
+            return
+        assert self.loop is not None
+        try:
             self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed between the check and the call
+            metrics.FALLBACKS.labels(cause="router_loop_closed").inc()
 
     def _update_state(self, replicas: list[RunningReplica]) -> None:
         live = {r.replica_id.unique_id for r in replicas}
@@ -242,7 +246,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
                 request.router_error = self.init_error
             self.state.note_fallback(pending.metadata.internal_request_id, f"fallback_{cause}", RouteRequest(
                 (), len(request.prompt_token_ids), request.block_size or 1, request.prefill_tokens,
-                request.bypass_cache, request.request_id), time.time_ns())
+                request.bypass_cache, request.request_id), time.time(), time.time_ns())
         return [order]
 
     def _choose(self, candidates: list[RunningReplica], pending: PendingRequest,
@@ -295,6 +299,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         route_id, uid, now = pending_request.metadata.internal_request_id, replica_id.unique_id, time.time()
         routed = self.state.routed(route_id, uid, now)
+        # This try's end settles the record (Serve's on_request_completed does not say which try ended).
+        try_no = routed.try_no
+        result.add_done_callback(lambda _: self._own(self.state.completed, route_id, time.time(), try_no))
         request = pending_request.args[0] if pending_request.args else None
         if not isinstance(request, EngineRequest):
             return
@@ -310,7 +317,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         tracing.route_span(request.trace_headers, d, record.started_ns or None)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        self._own(self.state.completed, internal_request_id, time.time(), replica_id.unique_id)
+        self._own(self.state.try_ended, internal_request_id, replica_id.unique_id, time.time())
 
     # ---------------------------------------------------------------- introspection (on the owner loop)
 

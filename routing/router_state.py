@@ -33,8 +33,12 @@ For each request:
 3. ``first_token``: its prefill is done: its tokens leave the queued work and
    its predictions get ``predicted_ttl_s`` more for the engine's events to
    confirm them (except the prefix another request queued there shares).
-4. ``completed``: the record goes (a request that never got its first token
-   has its predictions shortened as in 3).
+4. ``completed``: the routed try ended and the record goes (a request that
+   never got its first token has its predictions shortened as in 3). Serve
+   retries a rejected send under the same id and reports every send's end
+   from another thread, in no fixed order with the retry: only the try
+   ``routed`` numbered settles the record (``try_ended`` takes Serve's
+   report); records never routed are swept after ``UNROUTED_TTL_S``.
 
 Events: ``follow`` / ``unfollow`` a replica's relay; ``on_batch`` (a live
 batch through the replica's feed into the index), ``on_snapshot`` (a
@@ -77,6 +81,12 @@ cheaper."""
 MAX_RECORDS = 100_000
 """Records kept at most: past it the oldest goes, accounting included, whether in flight or chosen but
 never sent (a request Serve never completed)."""
+UNROUTED_TTL_S = 60.0
+"""A record neither routed nor chosen again for this long is dropped (a request abandoned while Serve
+routed it: cancelled before a replica accepted it). Serve chooses again at once after a rejection, and
+a request's ``choose`` to its ``routed`` takes one round trip, so a live request is never this old."""
+SWEEP_EVERY_S = 10.0
+"""How often (at a new record) records are checked against ``UNROUTED_TTL_S``."""
 RECENT_DECISIONS = 4096
 """Decision records kept for ``/debug/routing/decisions/{id}``."""
 SNAPSHOT_CHUNK_KEYS = SNAPSHOT_STEP_KEYS
@@ -129,6 +139,8 @@ class RequestRecord:
         queued_tokens: its tokens in the replica's queued prefill work.
         queued: it waits for its first token (its keys stay predicted).
         signal_id: the id its first-token signal carries, when not ``route_id``.
+        tries: how many times it was routed (``Routed.try_no`` of the last).
+        touched_at: when it was last chosen, routed or told of an unrouted try's end (s).
     """
 
     route_id: str
@@ -140,18 +152,22 @@ class RequestRecord:
     queued_tokens: int = 0
     queued: bool = False
     signal_id: str | None = None
+    tries: int = 0
+    touched_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class Routed:
     """What ``routed`` recorded: the replica, why, and the cached tokens it predicted
-    (``predicted_host_tokens`` of them loaded from host memory)."""
+    (``predicted_host_tokens`` of them loaded from host memory); ``try_no`` names this try
+    for ``completed``."""
 
     replica_id: str
     reason: str
     predicted_cached_tokens: int
     prompt_tokens: int
     predicted_host_tokens: int = 0
+    try_no: int = 1
 
 
 @dataclass(slots=True)
@@ -231,6 +247,7 @@ class RouterState:
         self.requests: OrderedDict[str, RequestRecord] = OrderedDict()
         self._by_signal: dict[str, str] = {}  # route id of the first-token signal -> record id (when they differ)
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()  # record id -> decision record
+        self._swept_at = 0.0  # when records were last checked against UNROUTED_TTL_S
         self._decisions_of: dict[str, list[str]] = {}  # client-visible request id -> record ids, oldest first
         self.stats: Counter[str] = Counter()  # the event path's counters (errors_<cause>, snapshots, ...)
         self.stale_fallbacks = 0
@@ -291,7 +308,7 @@ class RouterState:
         """Follow the replica's relay (again, from a snapshot, if its endpoints changed).
 
         Returns True if something changed (a new feed).  A replica the index has
-        no slot for (``MAX_REPLICAS``, spare slots of snapshot loads included)
+        no slot for (its ``max_replicas``, spare slots of snapshot loads included)
         gets no feed: it is counted (``index_replicas_refused``), routed by load
         only, and tried again on the next call.
         """
@@ -455,11 +472,12 @@ class RouterState:
         """
         record = self.requests.get(route_id)
         if record is None:
-            record = self._new_record(route_id, started_ns)
+            record = self._new_record(route_id, started_ns, now)
         if request is not None:
             record.request = request
         elif record.request is None:
             raise KeyError(f"no request recorded as {route_id!r}")
+        record.touched_at = now
         req = record.request
         assert req is not None
         if self.policy.no_match_choices or len(candidates) < ARRAY_PATH_CANDIDATES:
@@ -566,10 +584,12 @@ class RouterState:
         return choose_replica(RoutingRequest(req.prompt_tokens, req.block_size), views, self.policy, self.rng,
                               cluster=load)
 
-    def note_fallback(self, route_id: str, reason: str, request: RouteRequest | None, started_ns: int = 0) -> None:
+    def note_fallback(self, route_id: str, reason: str, request: RouteRequest | None, now: float,
+                      started_ns: int = 0) -> None:
         """The request is routed without a score (``reason``: the decision record's)."""
-        record = self.requests.get(route_id) or self._new_record(route_id, started_ns)
+        record = self.requests.get(route_id) or self._new_record(route_id, started_ns, now)
         record.fallback = reason
+        record.touched_at = now
         record.decision = None
         if request is not None:
             record.request = request
@@ -584,25 +604,38 @@ class RouterState:
         record.signal_id = signal_id
         self._by_signal[signal_id] = route_id
 
-    def _new_record(self, route_id: str, started_ns: int) -> RequestRecord:
-        record = self.requests[route_id] = RequestRecord(route_id, started_ns=started_ns)
+    def _new_record(self, route_id: str, started_ns: int, now: float) -> RequestRecord:
+        if now - self._swept_at >= SWEEP_EVERY_S:
+            self._swept_at = now
+            self._sweep_unrouted(now - UNROUTED_TTL_S)
+        record = self.requests[route_id] = RequestRecord(route_id, started_ns=started_ns, touched_at=now)
         while len(self.requests) > MAX_RECORDS:  # chosen but never sent or completed: the oldest go
             self._drop(next(iter(self.requests)), None)
         return record
 
+    def _sweep_unrouted(self, before: float) -> None:
+        """Drop the records not routed and not touched since ``before`` (abandoned while being routed)."""
+        gone = [rid for rid, r in self.requests.items() if r.replica_id is None and r.touched_at < before]
+        for rid in gone:
+            self._drop(rid, None)
+        self.stats["unrouted_records_dropped"] += len(gone)
+
     def routed(self, route_id: str, replica_id: str, now: float) -> Routed:
         """The request went to ``replica_id`` (the decision's pick, or a fallback rank)."""
-        record = self.requests.get(route_id) or self._new_record(route_id, 0)
+        record = self.requests.get(route_id) or self._new_record(route_id, 0, now)
         entry = self.add_replica(replica_id)
         if record.replica_id is not None:  # sent again under the same record: the last try is over
             self._leave(record, now)
         req, decision = record.request, record.decision
         record.replica_id = replica_id
+        record.tries += 1
+        record.touched_at = now
+        try_no = record.tries
         entry.requests[route_id] = record
         if req is None or decision is None:  # not a generate call, or routed without a score
             self._sync(entry)
             reason = record.fallback or "unscored"
-            return Routed(replica_id, reason, 0, req.prompt_tokens if req is not None else 0)
+            return Routed(replica_id, reason, 0, req.prompt_tokens if req is not None else 0, try_no=try_no)
         keys, prompt_len, bs = req.keys, req.prompt_tokens, req.block_size
         matched = 0 if req.bypass_cache else self.index.match(keys, (replica_id,), now).get(replica_id, 0)
         if keys:
@@ -621,7 +654,7 @@ class RouterState:
         entry.queued_prefill_tokens += record.queued_tokens
         self._sync(entry)
         reason = decision.reason if replica_id == decision.replica_id else "fallthrough"
-        return Routed(replica_id, reason, predicted, prompt_len, host)
+        return Routed(replica_id, reason, predicted, prompt_len, host, try_no)
 
     def record_decision(self, route_id: str, routed: Routed, now: float,
                         extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -688,18 +721,35 @@ class RouterState:
             self._sync(entry)
         self._end_queued(record, entry, now)
 
-    def completed(self, route_id: str, now: float, replica_id: str | None = None) -> None:
+    def completed(self, route_id: str, now: float, try_no: int | None = None) -> None:
         """The request ended (answered, failed or cancelled): its record goes.
 
-        ``replica_id``: the replica that ran it (Serve's callback says); a completion
-        from another replica than the record's last one is a rejected earlier try of
-        a request routed again under the same id, and is ignored.
+        ``try_no``: the routed try that ended (``Routed.try_no``); the end of any other
+        try than the record's last is ignored (counted ``stale_completions``). None: the
+        record's last try, whatever it was (callers that route a request once).
         """
         record = self.requests.get(route_id)
-        if record is not None and replica_id is not None and record.replica_id not in (None, replica_id):
+        if record is not None and try_no is not None and try_no != record.tries:
             self.stats["stale_completions"] += 1
             return
         self._drop(route_id, now)
+
+    def try_ended(self, route_id: str, replica_id: str, now: float) -> None:
+        """Serve says a try of the request on ``replica_id`` ended, without saying which try.
+
+        Serve's ``on_request_completed`` fires once per send, accepted or rejected, from
+        another thread, so a rejected try's end can come after the retry was routed (even
+        to the same replica) or before: it cannot settle a record. Only the end of a try
+        while the record is not routed is news: the record is touched, and kept for the
+        retry Serve makes at once (the sweep drops it if none comes: ``UNROUTED_TTL_S``).
+        The routed try's end comes to ``completed`` with its ``try_no``.
+        """
+        record = self.requests.get(route_id)
+        if record is None:
+            return
+        if record.replica_id is None:
+            record.touched_at = now
+            self.stats["unrouted_try_ends"] += 1
 
     def _drop(self, route_id: str, now: float | None) -> None:
         record = self.requests.pop(route_id, None)

@@ -34,21 +34,13 @@ import pytest
 
 from tests.conftest import requests_by_status, start_app, stop_all
 
-pytestmark = [
-    pytest.mark.engine,
-    # Passed 3 of 5 runs while written; on the final tree a burst request's decision record was missing
-    # (404), likely the known rejected-retry bug (a late completion drops the retry's record: issue 25's
-    # closing note). Skipped until that is fixed, so a flaky case does not hold up the suite.
-    pytest.mark.skip(reason="decision records of retried requests can be lost (RouterState.completed race); "
-                            "re-enable with its fix"),
-]
+pytestmark = pytest.mark.engine
 
 BLOCK = 32
 PROMPT_TOKENS = 3 * BLOCK  # three blocks: a replica that served one holds (96 - 1) // 32 = 2 of them for a resend
 BURST_USERS = 6  # 6 in flight against a target of 2 a replica: Serve wants 3, capped at max_replicas
-# max_ongoing_requests, above the burst: no replica rejects a request. At the cap Serve retries rejected tries,
-# and a rejected try's completion callback, run late on the router's loop, can drop the retry's router record
-# (RouterState.completed: a record with no replica yet is dropped), leaving a decision without its request id.
+# max_ongoing_requests, above the burst, so replicas seldom reject; a rejected try retried under the same id
+# keeps its record (docs/router-state.md, "Retried sends").
 ENGINE_CAP = 8
 BURST_MAX_TOKENS = 48
 LONG_MAX_TOKENS = 1500  # 8-30 s of decoding (idle to loaded machine): outlasts the downscale decision (~4-6 s)

@@ -62,6 +62,34 @@ def engine_request(n_tokens: int = 96) -> EngineRequest:
     return EngineRequest(request_id="cmpl-1", prompt_token_ids=array("I", range(1, n_tokens + 1)))
 
 
+class ResultEnds:
+    """Stands in for Serve's ``ReplicaResult`` (a real one needs a cluster): it keeps the done-callbacks
+    registered on it and fires them from another thread, as Ray's core worker thread does."""
+
+    def __init__(self):
+        self.callbacks = []
+
+    def add_done_callback(self, callback):
+        self.callbacks.append(callback)
+
+    def end(self):
+        import threading
+
+        for cb in self.callbacks:
+            t = threading.Thread(target=cb, args=(None,))
+            t.start()
+            t.join()
+
+
+def report_from_thread(fn, *args):
+    """Call ``fn`` as Serve's completion callback does: from a thread that is not the router's loop."""
+    import threading
+
+    t = threading.Thread(target=fn, args=args)
+    t.start()
+    t.join()
+
+
 @pytest.fixture
 def routers():
     made = []
@@ -194,7 +222,8 @@ async def test_other_threads_post_to_the_router_loop_and_never_touch_its_state(r
     request = engine_request(96)
     request.prefill_tokens = 96 * 3  # e.g. n=3
     ranked = await router.choose_replicas([a, b], pending(request, "i-1"))
-    router.on_request_routed(pending(request, "i-1"), ranked[0][0].replica_id, None)
+    result = ResultEnds()
+    router.on_request_routed(pending(request, "i-1"), ranked[0][0].replica_id, result)
     uid = ranked[0][0].replica_id.unique_id
     assert router.state.replicas[uid].queued_prefill_tokens == 96 * 3
     signal = threading.Thread(target=router.first_token, args=(request.route_id,))
@@ -208,5 +237,34 @@ async def test_other_threads_post_to_the_router_loop_and_never_touch_its_state(r
     assert not ready and detail["replicas"] == 2
     gauges = await asyncio.to_thread(router.ask_blocking, router.snapshot)
     assert gauges["inflight"][uid] == 1 and gauges["records"] == 1
-    router.on_request_completed(ranked[0][0].replica_id, "i-1")
+    result.end()  # the routed result's end settles the record, on the router's loop
+    assert router.state.requests != {}
+    await asyncio.sleep(0)
     assert router.state.requests == {} and router.state.decisions_for("cmpl-1")[0]["replica_id"] == uid
+
+
+@on_loop
+async def test_a_rejected_try_s_end_reported_before_the_retry_is_routed_keeps_the_record(routers):
+    """Serve reports a rejected send's end from its core thread; when that report reached the loop
+    between the retry's choice and its routing, the record went and the retry's decision record
+    had no request id (a 404 on the debug route in CI)."""
+    router = routers(block_size=32)
+    a, b = replica("a"), replica("b")
+    router.update_replicas([a, b])
+    request = engine_request(96)
+    first = await router.choose_replicas([a, b], pending(request, "i-1"))
+    rejected_by = first[0][0]
+    await router.choose_replicas([a, b], pending(request, "i-1"))  # Serve chooses again, under the same id
+    report_from_thread(router.on_request_completed, rejected_by.replica_id, "i-1")
+    await asyncio.sleep(0)  # the report runs on the loop before the retry is routed
+    other = next(r for r in (a, b) if r is not rejected_by)
+    result = ResultEnds()
+    router.on_request_routed(pending(request, "i-1"), other.replica_id, result)
+    [d] = router.state.decisions_for("cmpl-1")
+    assert d["replica_id"] == other.replica_id.unique_id and d["reason"] != "unscored", d
+    report_from_thread(router.on_request_completed, other.replica_id, "i-1")  # Serve's report of the routed try
+    await asyncio.sleep(0)
+    assert router.state.inflight(other.replica_id.unique_id) == 1
+    result.end()
+    await asyncio.sleep(0)
+    assert router.state.requests == {} and router.state.inflight(other.replica_id.unique_id) == 0

@@ -461,14 +461,64 @@ def test_a_replica_without_an_index_slot_gets_no_feed_and_is_followed_once_a_slo
     assert "late" in state.index.replicas() and state.feed("late") is not None
 
 
-def test_a_completion_from_the_replica_of_an_earlier_try_leaves_the_retry_alone():
+def retried_send(state: RouterState, first: str, then: str, report_at: str) -> tuple:
+    """A send to ``first`` rejected, the retry routed to ``then``; Serve's report of the rejected
+    try's end reaches the state at ``report_at`` ("before_choice", "before_routed", "after_routed")."""
+    request = req(list(range(1, 65)), request_id="cmpl-7")
+    state.choose("i-1", request, candidates("a", "b"), now=0.0)
+    if report_at == "before_choice":
+        state.try_ended("i-1", first, 0.01)
+    state.choose("i-1", None, candidates("a", "b"), now=0.02)  # Serve chooses again under the same id
+    if report_at == "before_routed":
+        state.try_ended("i-1", first, 0.03)
+    routed = state.routed("i-1", then, 0.04)
+    d = state.record_decision("i-1", routed, 0.04)
+    if report_at == "after_routed":
+        state.try_ended("i-1", first, 0.05)
+    return routed, d
+
+
+@pytest.mark.parametrize("report_at", ["before_choice", "before_routed", "after_routed"])
+@pytest.mark.parametrize("then", ["a", "b"])
+def test_a_retried_send_keeps_its_record_whenever_the_rejected_try_s_end_is_reported(report_at, then):
+    """CI lost a retry's decision record: the rejected try's end, reported between the retry's
+    choice and its routing, dropped the record (the retry was then 'unscored', request id '')."""
+    state = make_state()
+    routed, d = retried_send(state, "a", then, report_at)
+    assert d["request_id"] == "cmpl-7" and d["reason"] != "unscored" and routed.try_no == 1
+    assert [x["replica_id"] for x in state.decisions_for("cmpl-7")] == [then]
+    assert state.inflight(then) == 1 and queued(state, then) == 64  # the retry's accounting stands
+    state.try_ended("i-1", then, 0.06)  # Serve's report of the routed try: not the settling signal
+    assert state.inflight(then) == 1
+    state.completed("i-1", 0.07, try_no=routed.try_no)
+    assert state.inflight(then) == 0 and queued(state, then) == 0 and state.requests == {}
+
+
+def test_only_the_last_routed_try_settles_the_record():
     state = make_state()
     state.choose("i-1", req(list(range(1, 65))), candidates("a", "b"), now=0.0)
-    state.routed("i-1", "b", 0.0)  # a rejected try on "a" was routed again to "b" under the same id
-    state.completed("i-1", 0.1, replica_id="a")  # the earlier try's callback, late
-    assert state.inflight("b") == 1 and queued(state, "b") == 64 and state.stats["stale_completions"] == 1
-    state.completed("i-1", 0.2, replica_id="b")
-    assert state.inflight("b") == 0 and state.requests == {}
+    first = state.routed("i-1", "a", 0.0)
+    second = state.routed("i-1", "a", 0.1)  # sent again under the same id, to the same replica
+    assert (first.try_no, second.try_no) == (1, 2)
+    state.completed("i-1", 0.2, try_no=first.try_no)  # the first try's end, late
+    assert state.inflight("a") == 1 and state.stats["stale_completions"] == 1
+    state.completed("i-1", 0.3, try_no=second.try_no)
+    assert state.inflight("a") == 0 and state.requests == {}
+
+
+def test_records_never_routed_are_swept_and_routed_ones_are_not():
+    from routing.router_state import SWEEP_EVERY_S, UNROUTED_TTL_S
+
+    state = make_state()
+    state.choose("gave-up", req(list(range(1, 65))), candidates("a", "b"), now=0.0)
+    state.try_ended("gave-up", "a", 0.1)  # rejected; the caller cancelled before a retry
+    state.choose("long", req(list(range(1, 33))), candidates("a", "b"), now=0.0)
+    state.routed("long", "b", 0.0)  # a long stream: routed, never swept
+    late = UNROUTED_TTL_S + SWEEP_EVERY_S
+    state.choose("recent", req(list(range(1, 33))), candidates("a", "b"), now=late - 1.0)
+    state.choose("new", req(list(range(1, 33))), candidates("a", "b"), now=late)  # a new record sweeps
+    assert set(state.requests) == {"long", "recent", "new"}
+    assert state.stats["unrouted_records_dropped"] == 1 and state.inflight("b") == 1
 
 
 def test_batches_kept_during_a_snapshot_do_not_reset_its_backoff():
