@@ -83,7 +83,9 @@ slot's clear inline rather than refuse a replica.
 Costs: ``apply_keys`` O(keys in the batch); ``match`` / ``match_tiers``
 O(prompt blocks matched per group with candidates + candidates);
 ``match_held`` the same, with Python work only for the candidates that hold
-something; ``memory_bytes``, ``num_keys``, ``num_host_keys`` O(groups); every
+something; ``match_arrays`` the same, with no Python work per candidate (one
+gather into arrays by candidate position); ``held_blocks`` one gather;
+``memory_bytes``, ``num_keys``, ``num_host_keys`` O(groups); every
 other counter O(1); ``remove_replica``, ``clear_replica`` (every tier, a free
 slot left) and ``begin_snapshot`` / ``finish_snapshot`` O(1)
 (``finish_snapshot`` loads what ``snapshot_step`` has not, and with no spare slot
@@ -112,6 +114,8 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
+
+import numpy as np
 
 from routing import defaults
 from routing._blocktable import MAX_REPLICAS as GROUP_REPLICAS
@@ -281,13 +285,16 @@ class _Candidates:
     follows, and dicts of every candidate to one value, to copy (a copy of a 1,024-key dict costs
     about 1.5 us, ``dict.fromkeys`` about 25 us)."""
 
-    __slots__ = ("ids", "parts", "known", "_filled")
+    __slots__ = ("ids", "parts", "known", "_filled", "slots", "cells")
 
-    def __init__(self, ids: tuple[str, ...], parts: list[_Part]) -> None:
+    def __init__(self, ids: tuple[str, ...], parts: list[_Part], slots: np.ndarray, cells: np.ndarray) -> None:
         self.ids = ids
         self.parts = parts
         self.known = sum(len(part.rids) for part in parts)
         self._filled: dict[object, dict] = {}
+        self.slots = slots  # each candidate's slot (max_replicas: not followed), for held_blocks
+        # Each candidate's cell in match_arrays' walk answers: part k's row, its local slot (a zero cell: unknown).
+        self.cells = cells
 
     def filled(self, value: object) -> dict:
         """A new dict of every candidate (in order, once each) to ``value``."""
@@ -357,13 +364,23 @@ class _Replica:
     """A replica's slot (its group, and its bit there), count of keys really held on each tier, and
     its chunked load if any."""
 
-    __slots__ = ("slot", "local", "bit", "group", "blocks", "host_blocks", "load")
+    __slots__ = ("slot", "local", "bit", "group", "held", "host_blocks", "load")
 
-    def __init__(self, slot: int, group: _Group) -> None:
+    def __init__(self, slot: int, group: _Group, held: np.ndarray) -> None:
+        self.held = held  # the index's GPU block count per slot (``BlockIndex.held_blocks`` reads it whole)
         self.move(slot, group)
         self.blocks = 0
         self.host_blocks = 0
         self.load: SnapshotLoad | None = None
+
+    @property
+    def blocks(self) -> int:
+        """Keys it really holds on GPU, kept at its slot of the index's array."""
+        return int(self.held[self.slot])
+
+    @blocks.setter
+    def blocks(self, n: int) -> None:
+        self.held[self.slot] = n
 
     def move(self, slot: int, group: _Group) -> None:
         self.slot = slot
@@ -461,6 +478,14 @@ class BlockIndex:
         self._expiry_seq = 0
         self._expiry_bytes = 0
         self._candidate_parts: dict[tuple[str, ...], _Candidates] = {}
+        self._last_parts: _Candidates | None = None  # the last candidate tuple's (the same object: no hashing)
+        self._held = np.zeros(max_replicas + 1, dtype=np.int64)  # GPU keys really held, per slot (+ one 0)
+        # match_arrays' C walk answers: a row of GROUP_REPLICAS int32 per part of a candidate tuple (at most
+        # one per group), and a last row never written (zeros, for candidates not followed).
+        rows = -(-max_replicas // GROUP_REPLICAS) + 1
+        self._walk_out = np.zeros((rows, GROUP_REPLICAS), dtype=np.int32)
+        self._walk_host_out = np.zeros((rows, GROUP_REPLICAS), dtype=np.int32)
+        self._walk_rows, self._walk_host_rows = list(self._walk_out), list(self._walk_host_out)
         self._retired: deque[tuple[int, bool, bool]] = deque()  # (slot, GPU dirty, host dirty), FIFO
         self._clearing: list | None = None  # [slot, tables left to clear, next_start]: the clear in progress
         self._loads: dict[str, SnapshotLoad] = {}  # replica id -> its chunked load into a shadow slot
@@ -491,8 +516,8 @@ class BlockIndex:
         if slot is None:
             self.stats.replicas_refused += 1
             return False
-        self._replicas[replica_id] = _Replica(slot, self._group_of(slot))
-        self._candidate_parts.clear()
+        self._replicas[replica_id] = _Replica(slot, self._group_of(slot), self._held)
+        self._forget_parts()
         return True
 
     def clear_replica(self, replica_id: str, tier: int | None = None) -> None:
@@ -517,7 +542,7 @@ class BlockIndex:
                 self._retire(rs.slot, True, rs.host_blocks > 0)
                 rs.move(slot, self._group_of(slot))
                 rs.blocks = rs.host_blocks = 0
-                self._candidate_parts.clear()
+                self._forget_parts()
                 return
         if tier is None or tier == Tier.GPU:
             rs.group.holders.clear_replica(rs.local)  # real and predicted
@@ -543,7 +568,7 @@ class BlockIndex:
         self._supersede(rs)
         self._entries -= rs.blocks + rs.host_blocks
         self._retire(rs.slot, True, rs.host_blocks > 0)
-        self._candidate_parts.clear()
+        self._forget_parts()
 
     # ------------------------------------------------------------------ slots
 
@@ -741,7 +766,7 @@ class BlockIndex:
         self._retire(rs.slot, True, rs.host_blocks > 0)
         rs.move(load._slot, self._groups[load._slot // GROUP_REPLICAS])
         rs.blocks, rs.host_blocks = load._gpu, load._host
-        self._candidate_parts.clear()
+        self._forget_parts()
         stats = self.stats
         stats.replica_clears += 1  # as load_snapshot's clear
         stats.snapshots += 1
@@ -931,7 +956,7 @@ class BlockIndex:
         if self._expiry and self._expiry[0][0] <= now:
             self.expire(now)
         candidates = replicas if isinstance(replicas, tuple) else tuple(replicas)
-        cands = self._candidate_parts.get(candidates) or self._parts_of(candidates)
+        cands = self._parts(candidates)
         return _answer(cands, _walk(keys, cands.parts), False, False)
 
     def match_tiers(self, keys: Sequence[int], replicas: Iterable[str], now: float) -> dict[str, tuple[int, int]]:
@@ -952,7 +977,7 @@ class BlockIndex:
         if self._expiry and self._expiry[0][0] <= now:
             self.expire(now)
         candidates = replicas if isinstance(replicas, tuple) else tuple(replicas)
-        cands = self._candidate_parts.get(candidates) or self._parts_of(candidates)
+        cands = self._parts(candidates)
         found = _walk_tiers(keys, cands.parts)
         gpu = _answer(cands, [(part, drops) for part, drops, _ in found], False, False)
         ends = _answer(cands, [(part, host_drops) for part, _, host_drops in found], False, False)
@@ -975,7 +1000,7 @@ class BlockIndex:
         if self._expiry and self._expiry[0][0] <= now:
             self.expire(now)
         candidates = replicas if isinstance(replicas, tuple) else tuple(replicas)
-        cands = self._candidate_parts.get(candidates) or self._parts_of(candidates)
+        cands = self._parts(candidates)
         if not any(len(part.group.host) for part in cands.parts):
             return _answer(cands, _walk(keys, cands.parts), True, True)
         held: dict[str, tuple[int, int]] = {}
@@ -991,10 +1016,25 @@ class BlockIndex:
                 held[rid] = (g, held[rid][1])
         return held
 
+    def _forget_parts(self) -> None:
+        """The followed replicas or their slots changed: every cached candidate tuple's parts go."""
+        self._candidate_parts.clear()
+        self._last_parts = None
+
+    def _parts(self, candidates: tuple[str, ...]) -> _Candidates:
+        """The candidates' parts: the last tuple's when it is the same object, else cached per tuple."""
+        last = self._last_parts
+        if last is not None and last.ids is candidates:
+            return last
+        cands = self._candidate_parts.get(candidates) or self._parts_of(candidates)
+        self._last_parts = cands
+        return cands
+
     def _parts_of(self, candidates: tuple[str, ...]) -> _Candidates:
-        """The known candidates by group (masks, bit -> replica id), cached per tuple."""
+        """The known candidates by group (masks, bit -> replica id, positions), cached per tuple."""
         by_group: dict[int, _Part] = {}
-        for rid in candidates:
+        slots = np.full(len(candidates), self.max_replicas, dtype=np.int64)
+        for i, rid in enumerate(candidates):
             rs = self._replicas.get(rid)
             if rs is not None:
                 part = by_group.get(rs.group.number)
@@ -1002,13 +1042,66 @@ class BlockIndex:
                     part = by_group[rs.group.number] = _Part(rs.group)
                 part.alive |= rs.bit
                 part.rid_of_bit[rs.bit] = rid
+                slots[i] = rs.slot
         parts = [by_group[n] for n in sorted(by_group)]
+        row_of = {part.group.number: k for k, part in enumerate(parts)}
+        zero_cell = (len(self._walk_rows) - 1) * GROUP_REPLICAS
+        cells = np.array([zero_cell if slot == self.max_replicas
+                          else row_of[slot // GROUP_REPLICAS] * GROUP_REPLICAS + slot % GROUP_REPLICAS
+                          for slot in slots.tolist()], dtype=np.int64)
         for part in parts:
             part.rids = tuple(part.rid_of_bit.values())
         if len(self._candidate_parts) >= 64:
             self._candidate_parts.clear()
-        entry = self._candidate_parts[candidates] = _Candidates(candidates, parts)
+        entry = self._candidate_parts[candidates] = _Candidates(candidates, parts, slots, cells)
         return entry
+
+    def match_arrays(self, keys: Sequence[int], replicas: tuple[str, ...], now: float,
+                     gpu: np.ndarray, host_end: np.ndarray) -> None:
+        """:meth:`match_tiers` written into arrays by candidate position, for callers that score
+        candidates in arrays: no Python object per candidate.
+
+        Args:
+            keys, now: as :meth:`match`.
+            replicas: candidate replica ids, a tuple (its groups, masks and positions are
+                cached per tuple; the same tuple object again skips hashing it).
+            gpu, host_end: int64 arrays of ``len(replicas)``, overwritten:
+                ``(gpu[i], host_end[i]) == match_tiers(keys, replicas, now)[replicas[i]]``
+                (unknown candidates 0).
+
+        Raises:
+            ValueError: an output array's length is not ``len(replicas)``.
+        """
+        if len(gpu) != len(replicas) or len(host_end) != len(replicas):
+            raise ValueError(f"gpu and host_end must have {len(replicas)} entries, got {len(gpu)} and {len(host_end)}")
+        if self._expiry and self._expiry[0][0] <= now:
+            self.expire(now)
+        cands = self._parts(replicas)
+        parts = cands.parts
+        if len(parts) > 1:
+            keys = _key_buffer(keys)
+        # One C walk per group into its row (by local slot), then one gather by candidate position.
+        rows, host_rows = self._walk_rows, self._walk_host_rows
+        tiers = False
+        for k, part in enumerate(parts):
+            group = part.group
+            if len(group.host):
+                group.holders.walk_tiers(keys, part.alive, group.host, rows[k], host_rows[k])
+                tiers = True
+            else:
+                group.holders.walk(keys, part.alive, rows[k])
+        gpu[:] = self._walk_out.ravel()[cands.cells]
+        if not tiers:
+            host_end[:] = gpu
+            return
+        for k, part in enumerate(parts):
+            if not len(part.group.host):  # its run ends where its GPU run does
+                host_rows[k][:] = rows[k]
+        host_end[:] = self._walk_host_out.ravel()[cands.cells]
+
+    def held_blocks(self, replicas: tuple[str, ...]) -> np.ndarray:
+        """:meth:`replica_blocks` of each candidate, by position: a new int64 array (unknown: 0)."""
+        return self._held[self._parts(replicas).slots]
 
     def _any_host_keys(self) -> bool:
         return any(len(group.host) for group in self._groups.values())

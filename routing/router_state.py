@@ -555,12 +555,9 @@ class RouterState:
         """Every candidate scored in arrays (``routing.contenders``), a view only for those that can win."""
         rows, entries = self._rows(cset)
         n = len(cset)
-        if req.bypass_cache:
-            gpu, host_end = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        else:
-            found = self.index.match_tiers(req.keys, cset.uids, now)
-            gpu = np.fromiter((found[u][0] for u in cset.uids), dtype=np.int64, count=n)
-            host_end = np.fromiter((found[u][1] for u in cset.uids), dtype=np.int64, count=n)
+        gpu, host_end = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        if not req.bypass_cache:
+            self.index.match_arrays(req.keys, cset.uids, now, gpu, host_end)
         owed = self._owed[rows]
         # Only a replica owing events since before now - stale_events_s can be stalled (NaN: owes none).
         for i in np.flatnonzero((host_end > 0) & (owed < now - self.stale_events_s + 1e-6)):
@@ -573,9 +570,7 @@ class RouterState:
             whole = host_end // k * k - gpu
             hit = np.where(k <= 1, host_end - gpu, np.where(whole >= k, whole, 0))
             host = np.where((host_price > 0) & (host_end > gpu), np.maximum(hit, 0), 0)
-        free_blocks = cset.capacity.copy()
-        for i in np.flatnonzero(~np.isnan(free_blocks)):
-            free_blocks[i] -= self.index.replica_blocks(cset.uids[i])
+        free_blocks = cset.capacity - self.index.held_blocks(cset.uids)  # NaN where the capacity is unknown
         inflight, queued = self._inflight[rows], self._queued[rows]
         arrays = CandidateArrays(gpu, host, inflight, queued, cset.running, cset.waiting, cset.kv_usage,
                                  cset.max_ongoing, free_blocks, host_price)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import msgspec
+import numpy as np
 import pytest
 
 from routing.block_keys import block_keys
@@ -1077,10 +1078,16 @@ def test_randomized_many_replicas_against_a_model(n_replicas: int) -> None:
         cands = tuple(rng.sample(ids, rng.randrange(1, n_replicas))) + ("nobody",)
         if rng.random() < 0.3:
             cands = (*ids, "nobody")
+        if rng.random() < 0.2:
+            cands = (*cands, cands[0])  # a candidate twice: both positions answered
+        assert idx.held_blocks(cands).tolist() == [idx.replica_blocks(r) for r in cands]
         for doc in rng.sample(docs, 4):
             keys = doc[: rng.randrange(0, 13)] + ([rng.getrandbits(64)] if rng.random() < 0.3 else [])
             want = {r: _model_answer(keys, gpu[r], pred[r], host[r], now) if r in gpu else (0, 0) for r in cands}
             assert idx.match_tiers(keys, cands, now) == want
+            g, e = np.full(len(cands), -1, dtype=np.int64), np.full(len(cands), -1, dtype=np.int64)
+            idx.match_arrays(keys, cands, now, g, e)
+            assert list(zip(g.tolist(), e.tolist(), strict=True)) == [want[r] for r in cands]
             assert idx.match(keys, cands, now) == {r: g for r, (g, _) in want.items()}
             held = idx.match_held(keys, cands, now)
             assert held == {r: v for r, v in want.items() if v[1] > 0}
@@ -1171,6 +1178,7 @@ def test_randomized_many_replicas_against_a_model(n_replicas: int) -> None:
             assert idx.num_replica_blocks == sum(map(len, gpu.values())) + sum(map(len, host.values()))
             assert all(idx.replica_blocks(r) == len(gpu[r]) and idx.replica_host_blocks(r) == len(host[r])
                        for r in gpu)
+            assert idx.held_blocks(tuple(gpu)).tolist() == [len(gpu[r]) for r in gpu]
     for load, _, _ in loads.values():
         idx.cancel_snapshot(load)  # type: ignore[arg-type]
     drain(idx, 1000)

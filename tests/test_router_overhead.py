@@ -107,6 +107,7 @@ def test_scale_index_is_built_through_apply_keys_and_measured() -> None:
     assert 0 < r["lookup_8k_us"]["p50"] <= r["lookup_8k_us"]["p99"]
     assert 0 < r["keys_and_match_8k_us"]["p50"] <= r["keys_and_match_8k_us"]["p99"]
     assert 0 < r["keys_and_match_held_8k_us"]["p50"] <= r["keys_and_match_held_8k_us"]["p99"]
+    assert 0 < r["keys_and_match_arrays_8k_us"]["p50"] <= r["keys_and_match_arrays_8k_us"]["p99"]
     assert r["lookup_8k_us"]["longest_match_fraction"] > 0  # the prompts start with stored documents
     # One group: each key once (the last document may be cut short of the entries wanted: 1,536 blocks at most).
     assert r["groups"] == 1 and r["distinct_keys"] - 1536 <= r["table_keys"] <= r["distinct_keys"]
@@ -119,6 +120,7 @@ def test_scale_past_one_group_of_128_replicas() -> None:
     # A key counts once per group holding it: the system prompts' 512 in both, a document in 1 or 2.
     assert r["distinct_keys"] - 1536 + 512 <= r["table_keys"] <= 2 * r["distinct_keys"]
     assert 0 < r["keys_and_match_held_8k_us"]["p50"] <= r["keys_and_match_held_8k_us"]["p99"]
+    assert 0 < r["keys_and_match_arrays_8k_us"]["p50"] <= r["keys_and_match_arrays_8k_us"]["p99"]
     assert r["lookup_8k_us"]["longest_match_fraction"] > 0
 
 

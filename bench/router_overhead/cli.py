@@ -25,7 +25,7 @@ from bench.router_overhead.ingest import bench_ingest, ingest_ours, run_relays
 from bench.router_overhead.lookup import REQUEST_INTERVAL_S, add_host_tiers, bench_lookup
 from bench.router_overhead.match import MATCH_CHECK_PROMPTS, compare_matches
 from bench.router_overhead.peers import dynamo_version, load_dynamo
-from bench.router_overhead.report import machine, plot, print_scale, print_table, python_loop_ns
+from bench.router_overhead.report import machine, plot, plot_scale, print_scale, print_table, python_loop_ns
 from bench.router_overhead.scale import bench_scale
 from bench.router_overhead.summary import Runs, build_result, scale_summary
 from routing.index import BlockIndex
@@ -213,7 +213,8 @@ def scale_only(plan: Plan, out: str | None, started: float) -> dict:
         with open(out, "w") as f:
             json.dump(result, f, indent=2)
             f.write("\n")
-        print(f"wrote {out}")
+        plot_scale(result, str(Path(out).with_suffix(".png")))
+        print(f"wrote {out} and {Path(out).with_suffix('.png')}")
     return result
 
 
@@ -232,7 +233,8 @@ def run_scale(plan: Plan) -> dict[str, dict]:
               f"(index estimate), {s['bytes_per_entry_rss']:.1f} (RSS); 8k lookup p50 "
               f"{s['lookup_8k_us']['p50']:.1f} us p99 {s['lookup_8k_us']['p99']:.1f} us; index part (keys + "
               f"match) p50 {s['keys_and_match_8k_us']['p50']:.1f} us p99 {s['keys_and_match_8k_us']['p99']:.1f} us,"
-              f" keys + match_held p99 {s['keys_and_match_held_8k_us']['p99']:.1f} us", flush=True)
+              f" keys + match_held p99 {s['keys_and_match_held_8k_us']['p99']:.1f} us, keys + match_arrays p99 "
+              f"{s['keys_and_match_arrays_8k_us']['p99']:.1f} us", flush=True)
         gc.collect()
     return scale_results
 

@@ -102,8 +102,9 @@ def _router_under_load(index: BlockIndex, replicas: tuple[str, ...], prompt_len:
             entry.requests[record.route_id] = record
             entry.queued_prefill_tokens += record.queued_tokens
         router.refresh_load(rid)
+        # num_gpu_blocks as every engine reports it (free blocks are then scored): half its blocks held.
         stats[rid] = {"num_running": len(entry.requests), "num_waiting": rng.randrange(2),
-                      "kv_cache_usage": rng.random()}
+                      "kv_cache_usage": rng.random(), "num_gpu_blocks": 2 * index.replica_blocks(rid) + 1}
         if host_tier:  # a 32 GiB tier of Qwen2.5-7B's 57,344-byte tokens, as app.engine reports it
             stats[rid].update(num_host_blocks=37_449, kv_bytes_per_token=57_344, host_blocks_per_chunk=1)
     return router, feeds, stats

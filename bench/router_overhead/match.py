@@ -10,6 +10,8 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from bench.router_overhead.fixtures import prompts
 from bench.router_overhead.lookup import WARMUP_LOOKUPS, percentile_us
 from bench.router_overhead.peers import dynamo_scores
@@ -40,14 +42,22 @@ def compare_matches(index: BlockIndex, tree: Any, core: Any, docs: Sequence[Sequ
 def bench_match(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: int, prompt_len: int, n: int,
                 replicas: Sequence[str], method: str = "match") -> dict:
     """The index's share of the lookup alone: ``block_keys`` + ``BlockIndex.match`` (or ``method``:
-    ``match_held``, the answer of the candidates holding something only) over ``replicas``.
+    ``match_held``, the answer of the candidates holding something only; ``match_arrays``, the
+    answer by candidate position in two int64 arrays, the router's call from 32 candidates on)
+    over ``replicas``.
 
     Same prompts as ``bench_lookup``; no candidates, no scoring.
     """
-    if method not in ("match", "match_held", "match_tiers"):
-        raise ValueError(f"method must be match, match_held or match_tiers, got {method!r}")
+    if method not in ("match", "match_held", "match_tiers", "match_arrays"):
+        raise ValueError(f"method must be match, match_held, match_tiers or match_arrays, got {method!r}")
     replicas = tuple(replicas)
-    match = getattr(index, method)
+    if method == "match_arrays":  # as RouterState's array path calls it: two fresh int64 arrays a lookup
+        def match(keys: Any, cands: tuple[str, ...], now: float) -> tuple[np.ndarray, np.ndarray]:
+            gpu, host_end = np.zeros(len(cands), dtype=np.int64), np.zeros(len(cands), dtype=np.int64)
+            index.match_arrays(keys, cands, now, gpu, host_end)
+            return gpu, host_end
+    else:
+        match = getattr(index, method)
     samples: list[int] = []
     gc.collect()
     for i, tokens in enumerate(prompts(docs, prompt_len, n + WARMUP_LOOKUPS, seed=prompt_len)):

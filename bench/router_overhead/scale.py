@@ -36,9 +36,11 @@ def bench_scale(replicas: int, entries: int, lookups: int, block_size: int = 16)
     """Build an index of ``entries`` entries over ``replicas`` replicas; memory and 8k-token lookups.
 
     ``lookup_8k_us``: the router's whole decision (``bench_lookup``: keys, index, scoring of every
-    candidate); ``keys_and_match_8k_us`` / ``keys_and_match_held_8k_us``: the index part alone
-    (``block_keys`` + ``BlockIndex.match``, which answers every candidate, / ``match_held``, which
-    answers those holding something).  ``entries`` must exceed the system prompts' share
+    candidate); ``keys_and_match_8k_us`` / ``keys_and_match_held_8k_us`` /
+    ``keys_and_match_arrays_8k_us``: the index part alone (``block_keys`` + ``BlockIndex.match``,
+    which answers every candidate in a dict, / ``match_held``, which answers those holding
+    something, / ``match_arrays``, every candidate by position in arrays: the router's call).
+    ``entries`` must exceed the system prompts' share
     (``SCALE_SYSTEM_PROMPTS`` x 64 blocks on every replica) for documents to be looked up.
     """
     t0 = time.perf_counter()
@@ -61,6 +63,7 @@ def bench_scale(replicas: int, entries: int, lookups: int, block_size: int = 16)
     lookup = bench_lookup(index, docs, block_size, 8192, lookups, blind_window=False, replicas=ids)
     match = bench_match(index, docs, block_size, 8192, lookups, ids)
     held = bench_match(index, docs, block_size, 8192, lookups, ids, method="match_held")
+    arrays = bench_match(index, docs, block_size, 8192, lookups, ids, method="match_arrays")
     return {
         "replicas": replicas,
         "entries": index.num_replica_blocks,
@@ -78,4 +81,5 @@ def bench_scale(replicas: int, entries: int, lookups: int, block_size: int = 16)
         "lookup_8k_us": lookup,
         "keys_and_match_8k_us": match,
         "keys_and_match_held_8k_us": held,
+        "keys_and_match_arrays_8k_us": arrays,
     }
