@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -75,6 +76,8 @@ class ReplicaFeed(Generic[B]):
         last_message_at: ... of any kind, heartbeats included (the index's
             picture of the replica is that old at most).
         batches: snapshots and batches applied.
+        on_unsynced: called with ``since`` when the feed goes out of sync (the owner
+            keeps the latest, so a request need not ask every feed whether to wait).
     """
 
     replica_id: str
@@ -96,12 +99,15 @@ class ReplicaFeed(Generic[B]):
     last_event_at: float = 0.0
     last_message_at: float = 0.0
     batches: int = 0
+    on_unsynced: Callable[[float], None] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def in_order(cls, replica_id: str, *, epoch: int = 0, stats: Counter[str] | None = None) -> ReplicaFeed[B]:
+    def in_order(cls, replica_id: str, *, epoch: int = 0, stats: Counter[str] | None = None,
+                 on_unsynced: Callable[[float], None] | None = None) -> ReplicaFeed[B]:
         """A feed already synced before the relay's first batch (``seq`` 0 of ``epoch`` comes next):
         the simulator's engines publish from the start, and nothing is ever lost."""
-        return cls(replica_id, stats=Counter() if stats is None else stats, state=FeedState.SYNCED, epoch=epoch)
+        return cls(replica_id, stats=Counter() if stats is None else stats, state=FeedState.SYNCED, epoch=epoch,
+                   on_unsynced=on_unsynced)
 
     # ------------------------------------------------------------------ queries
 
@@ -174,6 +180,8 @@ class ReplicaFeed(Generic[B]):
         ask for a new snapshot after the backoff; ``keep`` is buffered for after it."""
         if self.since is None:
             self.since = now
+            if self.on_unsynced is not None:
+                self.on_unsynced(now)
         self.state = FeedState.WANT_SNAPSHOT
         self.buffer = [keep] if keep is not None else []
         self.snap_not_before = self.last_snapshot_at + self.snap_backoff

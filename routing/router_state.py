@@ -248,6 +248,7 @@ class RouterState:
         self._by_signal: dict[str, str] = {}  # route id of the first-token signal -> record id (when they differ)
         self.decisions: OrderedDict[str, dict[str, Any]] = OrderedDict()  # record id -> decision record
         self._swept_at = 0.0  # when records were last checked against UNROUTED_TTL_S
+        self._unsynced_at: float | None = None  # the latest time a feed was followed or lost sync
         self._decisions_of: dict[str, list[str]] = {}  # client-visible request id -> record ids, oldest first
         self.stats: Counter[str] = Counter()  # the event path's counters (errors_<cause>, snapshots, ...)
         self.stale_fallbacks = 0
@@ -328,15 +329,22 @@ class RouterState:
         if not self.index.add_replica(replica_id):  # no index slot free: tried again on the next follow
             return False
         self._generation += 1
-        entry.feed = ReplicaFeed(replica_id, events_endpoint, snapshot_endpoint, self._generation, self.stats)
+        entry.feed = ReplicaFeed(replica_id, events_endpoint, snapshot_endpoint, self._generation, self.stats,
+                                 on_unsynced=self._note_unsynced)
         entry.feed.since = now
+        self._note_unsynced(now)
         return True
+
+    def _note_unsynced(self, since: float) -> None:
+        """A feed was followed or lost sync at ``since`` (its ``on_unsynced``)."""
+        if self._unsynced_at is None or since > self._unsynced_at:
+            self._unsynced_at = since
 
     def follow_in_order(self, replica_id: str, epoch: int = 0) -> ReplicaFeed[KeyEventBatch]:
         """Follow a replica whose batches all arrive, in order, from ``seq`` 0 (the simulator)."""
         entry = self.add_replica(replica_id)
         self._generation += 1
-        entry.feed = ReplicaFeed.in_order(replica_id, epoch=epoch, stats=self.stats)
+        entry.feed = ReplicaFeed.in_order(replica_id, epoch=epoch, stats=self.stats, on_unsynced=self._note_unsynced)
         entry.feed.generation = self._generation
         self.index.add_replica(replica_id)
         return entry.feed
@@ -820,7 +828,11 @@ class RouterState:
 
     def awaiting_snapshot(self, replica_ids: Sequence[str], now: float, budget_s: float) -> bool:
         """True if one of the replicas is followed, not synced, and was followed or lost
-        sync less than ``budget_s`` ago: worth a request's wait."""
+        sync less than ``budget_s`` ago: worth a request's wait.  O(1) once no feed was
+        followed or lost sync within ``budget_s`` (every request's case but a router's
+        first seconds), else O(replicas)."""
+        if self._unsynced_at is None or now - self._unsynced_at >= budget_s:
+            return False
         for uid in replica_ids:
             feed = self.feed(uid)
             if feed is not None and feed.awaiting_snapshot(now, budget_s):

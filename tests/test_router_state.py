@@ -329,6 +329,28 @@ def test_race_ae1d4e9_a_replica_removed_under_a_queued_request_stays_removed():
 # ------------------------------------------------------------------ feeds, snapshots, replica changes
 
 
+def test_a_request_waits_only_while_a_feed_was_followed_or_lost_sync_within_the_budget():
+    """awaiting_snapshot answers without asking each feed once none went out of sync within the
+    budget: a gap, a reader restart or a new follow long after the others must still count."""
+    state = RouterState(BlockIndex(max_blocks=10_000), rng=random.Random(0), block_size=BS)
+    assert not state.awaiting_snapshot(["a", "b"], 0.0, 2.0)  # nothing followed
+    state.follow("a", "tcp://x:1", "tcp://x:2", now=0.0)
+    state.follow_in_order("b")
+    assert state.awaiting_snapshot(["a", "b"], 1.0, 2.0) and not state.awaiting_snapshot(["b"], 1.0, 2.0)
+    assert not state.awaiting_snapshot(["a", "b"], 2.5, 2.0)  # past the budget: routed without waiting
+    gen_b = state.feed("b").generation
+    state.on_batch("b", gen_b, 3, KeyEventBatch(10.0, 0, []), 10.0)  # seq 0 was next: a gap, at 10 s
+    assert not state.synced("b") and state.awaiting_snapshot(["a", "b"], 10.5, 2.0)
+    assert not state.awaiting_snapshot(["a", "b"], 12.5, 2.0)
+    feed_a = state.feed("a")
+    feed_a.snapshot_requested(15.0, 2.0)
+    assert state.load_snapshot("a", feed_a.generation, KeySnapshot(1, 0, b"", BS), 15.0)
+    state.resync_all(20.0)  # the reader restarted: every feed starts over (b's wait began at 10 s)
+    assert state.awaiting_snapshot(["a"], 20.1, 2.0) and not state.awaiting_snapshot(["b"], 20.1, 2.0)
+    state.follow("c", "tcp://x:3", "tcp://x:4", now=30.0)
+    assert state.awaiting_snapshot(["c"], 30.1, 2.0) and not state.awaiting_snapshot(["a", "b"], 30.1, 2.0)
+
+
 def test_snapshot_then_live_batches_then_a_gap_then_a_new_snapshot():
     state = RouterState(BlockIndex(max_blocks=10_000), rng=random.Random(0), block_size=BS)
     assert state.follow("a", "tcp://x:1", "tcp://x:2", now=0.0)
