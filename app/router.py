@@ -13,9 +13,11 @@ post to that loop: the ingress's first-token signal (``first_token``, fire and
 forget) and its reads (``ask``: readiness, gauges, the debug routes).
 
 For each generate call: the prompt's block keys (``routing.block_keys``), then
-``RouterState.choose`` over the candidates, and ``[[chosen], [the rest, lowest
-score first]]`` so Serve falls through to the next rank if the chosen replica
-is full. ``choose_replicas`` never raises: an error falls back to least in
+``RouterState.choose`` over the candidates, and ``[[chosen], [the other scored
+candidates, lowest score first], ...]`` so Serve falls through to the next rank
+if the chosen replica is full (with 32 candidates or more only those that could
+win are scored: then every candidate with the request's adapter, as Serve listed
+them, and every replica after). ``choose_replicas`` never raises: an error falls back to least in
 flight first (counted, ``prefix_serve_router_fallbacks_total``); every routed
 request gets a routing span and a decision record. A router whose kwargs do
 not validate still starts (Serve would otherwise hang every request): it
@@ -264,18 +266,19 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         if self.state.stale_fallbacks != stale_before:
             metrics.FALLBACKS.labels(cause="stale_events").inc(self.state.stale_fallbacks - stale_before)
         by_uid, chosen = self._by_uid, decision.replica_id
-        # Then the scored candidates by score, the others (not able to win) in Serve's order, and the
-        # replicas without the request's adapter last.
+        # Then the other scored candidates (those that could win) by score; when some were not scored
+        # (the array path), every candidate with the request's adapter; when some lack it, every replica.
+        # Those last ranks are lists already made (Serve's own list): no Python work per candidate.
         rest = sorted((u for u in decision.scores if u != chosen), key=decision.scores.__getitem__)
-        scored = set(decision.scores)
-        rest += [u for u in views.uids if u not in scored]
+        fallbacks: list[list[RunningReplica]] = []
+        if len(decision.scores) < len(views):
+            fallbacks.append(candidates if views is self._cset else [by_uid[u] for u in views.uids])
         if len(views) < len(by_uid):
-            kept = set(views.uids)
-            rest += [u for u in by_uid if u not in kept]
+            fallbacks.append(candidates)
         elapsed = time.perf_counter() - t0
         metrics.ROUTING_SECONDS.observe(elapsed)
         self._timings.append((time.monotonic(), elapsed))
-        return chosen_first(by_uid[chosen], [by_uid[u] for u in rest])
+        return chosen_first(by_uid[chosen], [by_uid[u] for u in rest], *fallbacks)
 
     def _candidate_set(self, candidates: list[RunningReplica]) -> CandidateSet:
         """The candidates as a ``CandidateSet``, rebuilt only when Serve hands a new list."""

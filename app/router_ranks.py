@@ -31,8 +31,13 @@ def no_candidates(pending_request: PendingRequest | None) -> list[list[R]]:
     return []
 
 
-def chosen_first(chosen: R, rest: Sequence[R]) -> list[list[R]]:
-    """``[[chosen], rest]``: the chosen replica, then the others in ``rest``'s order as a
-    second rank, so a request still goes out when the chosen one's queue is full
-    (``[[chosen]]`` when ``rest`` is empty: Serve refuses an empty rank)."""
-    return [[chosen], list(rest)] if rest else [[chosen]]
+def chosen_first(chosen: R, rest: Sequence[R], *fallbacks: list[R]) -> list[list[R]]:
+    """``[[chosen], rest, *fallbacks]``: the chosen replica, then the others in ``rest``'s
+    order as a second rank, so a request still goes out when the chosen one's queue is full,
+    then each of ``fallbacks`` as a rank of its own (passed as they are: a caller may hand
+    Serve's own candidate list back without copying it). Empty ranks are left out (Serve
+    refuses an empty rank). Within a rank Serve sends to the replica with the shortest
+    queue, the first of equals; a replica may appear in several ranks."""
+    ranks = [[chosen], list(rest)] if rest else [[chosen]]
+    ranks.extend(rank for rank in fallbacks if rank)
+    return ranks

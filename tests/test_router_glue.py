@@ -268,3 +268,31 @@ async def test_a_rejected_try_s_end_reported_before_the_retry_is_routed_keeps_th
     result.end()
     await asyncio.sleep(0)
     assert router.state.requests == {} and router.state.inflight(other.replica_id.unique_id) == 0
+
+
+@on_loop
+async def test_at_scale_the_ranks_end_with_serves_own_list_not_one_built_per_request(routers):
+    """From 32 candidates only those that could win are scored: the ranks are the chosen one,
+    the other scored ones by score, then every candidate as Serve listed them (its list object,
+    so no Python work per candidate); a request with an adapter few replicas hold gets those
+    first, then every replica."""
+    from app.protocol import STAT_LORA_ADAPTERS
+
+    router = routers(block_size=32)
+    stats = [{"num_running": i % 5, "num_waiting": 0, "kv_cache_usage": 0.1 * (i % 7),
+              STAT_LORA_ADAPTERS: ["sql"] if i < 3 else []} for i in range(40)]
+    candidates = [replica(f"r{i:02d}", stats[i]) for i in range(40)]
+    router.update_replicas(candidates)
+    ranked = await router.choose_replicas(candidates, pending(engine_request(), "i-1"))
+    decision = router.state.requests["i-1"].decision
+    assert len(ranked) == 3 and ranked[2] is candidates
+    assert ranked[0][0].replica_id.unique_id == decision.replica_id
+    scored = [r.replica_id.unique_id for r in ranked[1]]
+    assert 0 < len(scored) == len(decision.scores) - 1 < 39
+    assert scored == sorted(scored, key=decision.scores.__getitem__)
+    request = engine_request()
+    request.lora_name = "sql"
+    ranked = await router.choose_replicas(candidates, pending(request, "i-2"))
+    assert {r.replica_id.unique_id for r in ranked[0]} <= {"r00", "r01", "r02"}
+    assert ranked[-1] is candidates and all(r.replica_id.unique_id in {"r00", "r01", "r02"}
+                                            for rank in ranked[:-1] for r in rank)
