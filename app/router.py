@@ -168,6 +168,18 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         if hasattr(self, "state"):
             self._own(self._update_state, replicas)
 
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the owner loop later (never inline: the caller may be in the middle of a
+        state change), from any thread; inline only when there is no owner loop yet."""
+        loop = self.loop
+        if loop is None:
+            fn(*args)
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: its process is shutting down
+            metrics.FALLBACKS.labels(cause="router_loop_closed").inc()
+
     def _own(self, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` now on the owner loop, or post it there from another thread (dropped,
         counted, when that loop is closed: its process is shutting down)."""
@@ -206,6 +218,16 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return no_candidates(pending_request)
+        ranks = await self._ranks(candidate_replicas, pending_request)
+        if pending_request is not None:
+            # Every answer ranks every candidate, so when all are full Serve should wait before asking
+            # again; it waits only when told (its own routers tell it once they offer every replica).
+            pending_request.routing_context.should_backoff = True
+        return ranks
+
+    async def _ranks(self, candidate_replicas: list[RunningReplica],
+                     pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
+        """``choose_replicas``' ranks (never raises: see the module doc)."""
         try:
             self._on_owner_loop()
             request = pending_request.args[0] if pending_request is not None and pending_request.args else None
@@ -302,9 +324,16 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         route_id, uid, now = pending_request.metadata.internal_request_id, replica_id.unique_id, time.time()
         routed = self.state.routed(route_id, uid, now)
-        # This try's end settles the record (Serve's on_request_completed does not say which try ended).
-        try_no = routed.try_no
-        result.add_done_callback(lambda _: self._own(self.state.completed, route_id, time.time(), try_no))
+        try:
+            self._record_routed(pending_request, route_id, routed, now)
+        finally:
+            # This try's end settles the record (Serve's on_request_completed does not say which try
+            # ended). Registered last and always posted: a result already done calls back at once.
+            try_no = routed.try_no
+            result.add_done_callback(lambda _: self._post(self.state.completed, route_id, time.time(), try_no))
+
+    def _record_routed(self, pending_request: PendingRequest, route_id: str, routed: Any, now: float) -> None:
+        """The routed request's first-token signal, metrics, decision record and routing span."""
         request = pending_request.args[0] if pending_request.args else None
         if not isinstance(request, EngineRequest):
             return

@@ -79,8 +79,8 @@ ARRAY_PATH_CANDIDATES = 32
 cached on a ``CandidateSet``) and builds a view only for those that can win; below it, a view each is
 cheaper."""
 MAX_RECORDS = 100_000
-"""Records kept at most: past it the oldest goes, accounting included, whether in flight or chosen but
-never sent (a request Serve never completed)."""
+"""Records kept at most: past it the oldest record never routed goes (chosen, never accepted), else the
+oldest, accounting included."""
 UNROUTED_TTL_S = 60.0
 """A record neither routed nor chosen again for this long is dropped (a request abandoned while Serve
 routed it: cancelled before a replica accepted it). Serve chooses again at once after a rejection, and
@@ -612,8 +612,10 @@ class RouterState:
             self._swept_at = now
             self._sweep_unrouted(now - UNROUTED_TTL_S)
         record = self.requests[route_id] = RequestRecord(route_id, started_ns=started_ns, touched_at=now)
-        while len(self.requests) > MAX_RECORDS:  # chosen but never sent or completed: the oldest go
-            self._drop(next(iter(self.requests)), None)
+        while len(self.requests) > MAX_RECORDS:  # the oldest record never routed goes, else the oldest
+            victim = next((rid for rid, r in self.requests.items() if r.replica_id is None and rid != route_id),
+                          None)
+            self._drop(victim if victim is not None else next(iter(self.requests)), None)
         return record
 
     def _sweep_unrouted(self, before: float) -> None:

@@ -296,3 +296,28 @@ async def test_at_scale_the_ranks_end_with_serves_own_list_not_one_built_per_req
     assert {r.replica_id.unique_id for r in ranked[0]} <= {"r00", "r01", "r02"}
     assert ranked[-1] is candidates and all(r.replica_id.unique_id in {"r00", "r01", "r02"}
                                             for rank in ranked[:-1] for r in rank)
+
+
+class ResultDone:
+    """A result already done when Serve hands it over (grpc.aio's calls back at once, on this thread)."""
+
+    def add_done_callback(self, callback):
+        callback(self)
+
+
+@on_loop
+async def test_a_result_already_done_settles_its_record_after_the_routing_bookkeeping(routers):
+    """Found by an attack: the done-callback ran inline, dropped the record, and on_request_routed
+    then raised KeyError on it (the request failed and lost its decision record)."""
+    router = routers(block_size=32)
+    a, b = replica("a"), replica("b")
+    router.update_replicas([a, b])
+    request = engine_request(96)
+    pend = pending(request, "i-1")
+    ranked = await router.choose_replicas([a, b], pend)
+    assert pend.routing_context.should_backoff  # every replica was offered: Serve waits before asking again
+    router.on_request_routed(pend, ranked[0][0].replica_id, ResultDone())
+    assert router.state.decisions_for("cmpl-1")[0]["replica_id"] == ranked[0][0].replica_id.unique_id
+    assert "i-1" in router.state.requests  # settled on the loop's next turn, not inside the call
+    await asyncio.sleep(0)
+    assert router.state.requests == {}

@@ -528,6 +528,25 @@ def test_only_the_last_routed_try_settles_the_record():
     assert state.inflight("a") == 0 and state.requests == {}
 
 
+def test_past_the_record_cap_a_record_never_routed_goes_before_a_routed_one(monkeypatch):
+    """Found by an attack: the oldest record went first, so a flood of requests abandoned while
+    routed pushed out the accounting of the long streams in flight."""
+    import routing.router_state as rs
+
+    monkeypatch.setattr(rs, "MAX_RECORDS", 5)
+    state = make_state()
+    state.choose("live", req(list(range(1, 65))), candidates("a", "b"), now=0.0)
+    routed = state.routed("live", "a", 0.0)
+    for i in range(10):
+        state.choose(f"gave-up-{i}", req(list(range(1, 33))), candidates("a", "b"), now=0.1 * i)
+    assert "live" in state.requests and len(state.requests) == 5 and "gave-up-9" in state.requests
+    assert state.inflight("a") == 1 and queued(state, "a") == 64 - routed.predicted_cached_tokens
+    for i in range(6, 10):  # every record routed: then the oldest goes, accounting and all
+        state.routed(f"gave-up-{i}", "b", 2.0)
+    state.choose("last", req(list(range(1, 33))), candidates("a", "b"), now=2.0)
+    assert "live" not in state.requests and state.inflight("a") == 0 and state.inflight("b") == 4
+
+
 def test_records_never_routed_are_swept_and_routed_ones_are_not():
     from routing.router_state import SWEEP_EVERY_S, UNROUTED_TTL_S
 
