@@ -112,7 +112,9 @@ class OpenAIIngress(AdminRoutes):
     async def _create(self, kind: str, request: Request) -> results.Result:
         headers = {k: request.headers[k] for k in ("traceparent", "tracestate") if k in request.headers}
         raw = await read_body(request, self.args.max_request_body_bytes)
-        return await self.serving.create(kind, raw, headers)
+        # vLLM's server names the answer after the client's X-Request-Id when it sends one
+        # (OpenAIServing._base_request_id): "chatcmpl-<it>", "cmpl-<it>".
+        return await self.serving.create(kind, raw, headers, request_id=request.headers.get("x-request-id"))
 
     # --------------------------------------------------------- handle-callable API
 

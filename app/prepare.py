@@ -51,15 +51,19 @@ class Preparer:
         self.args = args
         self.renderer = renderer
 
-    async def prepare(self, kind: str, body: Any, stream: bool | None = None) -> EngineRequest | Failed:
+    async def prepare(self, kind: str, body: Any, stream: bool | None = None,
+                      request_id: str | None = None) -> EngineRequest | Failed:
         """``body`` (HTTP bytes, a dict or vLLM's request model) as an ``EngineRequest``, or the error.
 
-        ``stream`` overrides the body's ``stream`` (handle methods)."""
+        ``stream`` overrides the body's ``stream`` (handle methods); ``request_id`` the body's
+        ``request_id`` (the client's ``X-Request-Id``: the answer's id is the kind's prefix and it)."""
         stage = "body"
         try:
             req = self.request(kind, body)
             if stream is not None:
                 req.stream = stream
+            if request_id is not None:
+                req.request_id = request_id
             stage = "model"
             self.check_model(req.model)
             stage = "render"

@@ -61,17 +61,18 @@ class OpenAIServing:
         self.worker = WorkerLoop()  # parsing, validation and rendering of large bodies run here
 
     async def create(self, kind: str, body: Any, trace_headers: dict[str, str] | None = None,
-                     stream: bool | None = None) -> Result:
+                     stream: bool | None = None, request_id: str | None = None) -> Result:
         """Answer one chat (``kind="chat"``) or completion (``"completions"``) request.
 
         ``body``: the raw HTTP body (bytes), or a handle caller's dict or vLLM request
-        model; ``stream`` overrides the body's ``stream`` (handle methods).
+        model; ``stream`` overrides the body's ``stream`` (handle methods); ``request_id``
+        (the client's ``X-Request-Id``) overrides the body's ``request_id``, as in vLLM.
         """
         deadline = asyncio.get_running_loop().time() + self.args.lifecycle.request_timeout_s
         span = tracing.request_span(_SPAN_OPERATION[kind], self.args.served_model_name, trace_headers)
         with tracing.ending(span) as ending:
             with tracing.current(span):  # the worker runs in a copy of this context: the span is its parent
-                prepared = await self._prepare(kind, body, stream)
+                prepared = await self._prepare(kind, body, stream, request_id)
             if isinstance(prepared, Failed):
                 span.set_attribute("error.type", str(prepared.status))
                 return prepared
@@ -80,8 +81,9 @@ class OpenAIServing:
                 return Streamed(self._events(kind, prepared, span, deadline))
             return await self._whole(kind, prepared, span, deadline)
 
-    async def _prepare(self, kind: str, body: Any, stream: bool | None) -> EngineRequest | Failed:
-        work = self.preparer.prepare(kind, body, stream)
+    async def _prepare(self, kind: str, body: Any, stream: bool | None,
+                       request_id: str | None = None) -> EngineRequest | Failed:
+        work = self.preparer.prepare(kind, body, stream, request_id)
         small = isinstance(body, (bytes, bytearray)) and len(body) <= INLINE_BODY_BYTES
         return await (work if small else self.worker.run(work))
 

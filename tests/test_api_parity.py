@@ -93,11 +93,11 @@ def servers(tmp_path_factory):
         stop_all()
 
 
-def _post(base: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+def _post(base: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, Any]:
     """Status and the parsed answer: a JSON object, or the list of SSE events of a stream."""
     # json.dumps escapes non-ASCII, so a lone surrogate travels as the JSON escape "\ud83d".
     with httpx.stream("POST", f"{base}{path}", content=json.dumps(body), timeout=180,
-                      headers={"content-type": "application/json"}) as r:
+                      headers={"content-type": "application/json", **(headers or {})}) as r:
         raw = r.read().decode()
         if r.headers.get("content-type", "").startswith("text/event-stream"):
             events = [line[len("data: "):] for line in raw.splitlines() if line.startswith("data: ")]
@@ -294,6 +294,25 @@ def test_features_do_what_they_say(servers):
                                           stream_options={"include_usage": True, "continuous_usage_stats": True}))
     content_chunks = [e for e in events[:-1] if e["choices"]]
     assert content_chunks and all(e.get("usage") for e in content_chunks)
+
+
+def test_x_request_id_names_the_answer_as_vllms_server_does(servers):
+    """vLLM takes the client's X-Request-Id as the request id: the answer is "chatcmpl-<it>" or
+    "cmpl-<it>", unary and streamed (the app gave a random id before); the router records it."""
+    app_url, vllm_url = servers
+    for path, body, prefix in ((CHAT, chat(max_tokens=2), "chatcmpl"), (CMPL, cmpl(max_tokens=2), "cmpl"),
+                               (CHAT, chat(max_tokens=2, stream=True), "chatcmpl"),
+                               (CMPL, cmpl(max_tokens=2, stream=True), "cmpl")):
+        header = {"X-Request-Id": f"client-{prefix}-{'stream' if body.get('stream') else 'unary'}"}
+        ids = []
+        for base in (app_url, vllm_url):
+            status, answer = _post(base, path, body, header)
+            assert status == 200, answer
+            chunks = answer if isinstance(answer, list) else [answer]
+            ids.append({c["id"] for c in chunks if c != "[DONE]"})
+        assert ids[0] == ids[1] == {f"{prefix}-{header['X-Request-Id']}"}, ids
+        r = httpx.get(f"{app_url}/debug/routing/decisions/{prefix}-{header['X-Request-Id']}", timeout=30)
+        assert r.status_code == 200 and r.json()["request_id"] == f"{prefix}-{header['X-Request-Id']}", r.text
 
 
 def test_models_and_the_adapter_are_listed_as_vllm_lists_them(servers):
