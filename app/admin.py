@@ -5,7 +5,8 @@ ingress mounts the routes of every class in its MRO). It reads ``self.engine`` (
 engine deployment's handle), ``self.serving`` (``app.serving.OpenAIServing``),
 ``self.announcer`` (``app.ingress_targets.Announcer``) and ``self.args``.
 
-- ``GET /health``: liveness (this ingress replica is up; the engines may still be loading).
+- ``GET /health``: liveness (this ingress replica is up; the engines may still be loading);
+  ``GET|POST /ping`` the same, as vLLM answers it; ``GET /version``: vLLM's version.
 - ``GET /ready``: readiness (no API key); see ``ready``.
 - ``GET /debug/routing``, ``GET /debug/routing/decisions/{id}``: the routers' state and
   a request's routing decision.
@@ -34,8 +35,9 @@ from app.results import JSONResponse, json_response
 logger = logging.getLogger("prefix_serve.ingress")
 READY_ENGINE_TIMEOUT_S = 2.0
 """How long ``GET /ready`` waits for an engine replica to answer when this process has no router yet."""
-PUBLIC_PATHS = frozenset({"/ready"})
-"""Routes served without the API key (readiness probes carry no credentials)."""
+PUBLIC_PATHS = frozenset({"/ready", "/ping", "/version"})
+"""Routes served without the API key (probes carry no credentials; vLLM's server asks for the key
+under ``/v1`` only)."""
 METRICS_PATHS = frozenset({"/metrics", "/metrics/engines", "/metrics/ingresses"})
 """Routes served without the API key when ``metrics_public`` is set."""
 
@@ -68,6 +70,19 @@ class AdminRoutes:
     async def health(self) -> dict[str, str]:
         """Liveness: this ingress replica is up (the engines may still be loading)."""
         return {"status": "ok"}
+
+    @fastapi_app.api_route("/ping", methods=["GET", "POST"])
+    async def ping(self) -> Response:
+        """vLLM's ``/ping`` (SageMaker's probe, GET or POST): 200 with an empty body while this
+        ingress replica is up."""
+        return Response(status_code=200)
+
+    @fastapi_app.get("/version")
+    async def version(self) -> dict[str, str]:
+        """vLLM's ``/version``: the vLLM version the engines run."""
+        from vllm.version import __version__
+
+        return {"version": __version__}
 
     @fastapi_app.get("/ready")
     async def ready(self):

@@ -315,6 +315,19 @@ def test_x_request_id_names_the_answer_as_vllms_server_does(servers):
         assert r.status_code == 200 and r.json()["request_id"] == f"{prefix}-{header['X-Request-Id']}", r.text
 
 
+def test_ping_and_version_answer_as_vllms_server_does(servers):
+    app_url, vllm_url = servers
+    answers = []
+    for base in (app_url, vllm_url):
+        got = [httpx.get(f"{base}/ping", timeout=30), httpx.post(f"{base}/ping", timeout=30),
+               httpx.get(f"{base}/version", timeout=30)]
+        answers.append([(r.status_code, r.content if r.request.url.path == "/ping" else r.json()) for r in got])
+    assert answers[0] == answers[1], answers
+    from vllm.version import __version__
+
+    assert answers[0][2] == (200, {"version": __version__}) and answers[0][0][0] == 200
+
+
 def test_models_and_the_adapter_are_listed_as_vllm_lists_them(servers):
     app_url, vllm_url = servers
     ours = httpx.get(f"{app_url}/v1/models", timeout=30).json()
