@@ -222,7 +222,7 @@ def test_a_streamed_answers_span_ends_with_its_stream_not_when_create_returns(mo
     provider.add_span_processor(SimpleSpanProcessor(exported))
     monkeypatch.setattr(tracing, "tracer", lambda: provider.get_tracer("test"))
 
-    async def prepare(kind, body, stream):
+    async def prepare(kind, body, stream, request_id=None):
         return SimpleNamespace(body=SimpleNamespace(stream=True))
 
     async def answer(kind, ereq, span, deadline):  # the dispatcher: records usage at the answer's end
