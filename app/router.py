@@ -17,8 +17,8 @@ For each generate call: the prompt's block keys (``routing.block_keys``), then
 candidates, lowest score first], ...]`` so Serve falls through to the next rank
 if the chosen replica is full (with 32 candidates or more only those that could
 win are scored: then every candidate with the request's adapter, as Serve listed
-them, and every replica after). ``choose_replicas`` never raises: an error falls back to least in
-flight first (counted, ``prefix_serve_router_fallbacks_total``); every routed
+them, and every replica after). ``choose_replicas`` never raises: an error falls
+back to least in flight first (counted, ``prefix_serve_router_fallbacks_total``); every routed
 request gets a routing span and a decision record. A router whose kwargs do
 not validate still starts (Serve would otherwise hang every request): it
 routes by load and marks each request with the error, which the engine answers
@@ -44,7 +44,7 @@ from app.protocol import EngineRequest
 from app.router_ranks import chosen_first, no_candidates
 from routing.block_keys import block_keys
 from routing.relay_reader import RelayReader
-from routing.router_state import Candidate, CandidateSet, RouteRequest
+from routing.router_state import Candidate, CandidateSet, Routed, RouteRequest
 from routing.tiers import TIER_LABELS, Tier
 
 logger = logging.getLogger("prefix_serve.router")
@@ -181,16 +181,11 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             metrics.FALLBACKS.labels(cause="router_loop_closed").inc()
 
     def _own(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run ``fn(*args)`` now on the owner loop, or post it there from another thread (dropped,
-        counted, when that loop is closed: its process is shutting down)."""
+        """Run ``fn(*args)`` now on the owner loop, or post it there from another thread (``_post``)."""
         if self._on_owner_loop():
             fn(*args)
-            return
-        assert self.loop is not None
-        try:
-            self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop closed between the check and the call
-            metrics.FALLBACKS.labels(cause="router_loop_closed").inc()
+        else:
+            self._post(fn, *args)
 
     def _update_state(self, replicas: list[RunningReplica]) -> None:
         live = {r.replica_id.unique_id for r in replicas}
@@ -332,7 +327,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             try_no = routed.try_no
             result.add_done_callback(lambda _: self._post(self.state.completed, route_id, time.time(), try_no))
 
-    def _record_routed(self, pending_request: PendingRequest, route_id: str, routed: Any, now: float) -> None:
+    def _record_routed(self, pending_request: PendingRequest, route_id: str, routed: Routed, now: float) -> None:
         """The routed request's first-token signal, metrics, decision record and routing span."""
         request = pending_request.args[0] if pending_request.args else None
         if not isinstance(request, EngineRequest):
