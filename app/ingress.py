@@ -113,7 +113,8 @@ class OpenAIIngress(AdminRoutes):
         headers = {k: request.headers[k] for k in ("traceparent", "tracestate") if k in request.headers}
         raw = await read_body(request, self.args.max_request_body_bytes)
         # vLLM's server names the answer after the client's X-Request-Id when it sends one
-        # (OpenAIServing._base_request_id): "chatcmpl-<it>", "cmpl-<it>".
+        # (OpenAIServing._base_request_id): "chatcmpl-<it>", "cmpl-<it>". Serve's proxy adds one
+        # (its request id) when the client did not: a body's request_id then stands (Preparer.prepare).
         return await self.serving.create(kind, raw, headers, request_id=request.headers.get("x-request-id"))
 
     # --------------------------------------------------------- handle-callable API

@@ -55,14 +55,16 @@ class Preparer:
                       request_id: str | None = None) -> EngineRequest | Failed:
         """``body`` (HTTP bytes, a dict or vLLM's request model) as an ``EngineRequest``, or the error.
 
-        ``stream`` overrides the body's ``stream`` (handle methods); ``request_id`` the body's
-        ``request_id`` (the client's ``X-Request-Id``: the answer's id is the kind's prefix and it)."""
+        ``stream`` overrides the body's ``stream`` (handle methods); ``request_id`` (the
+        ``X-Request-Id`` header) names the answer (the kind's prefix and it) unless the body sets
+        ``request_id``: Serve's proxy gives every request without the header one of its own, so
+        a header is not always the client's, and a body's id must stand (vLLM prefers the header)."""
         stage = "body"
         try:
             req = self.request(kind, body)
             if stream is not None:
                 req.stream = stream
-            if request_id is not None:
+            if request_id is not None and "request_id" not in req.model_fields_set:
                 req.request_id = request_id
             stage = "model"
             self.check_model(req.model)

@@ -66,7 +66,8 @@ class OpenAIServing:
 
         ``body``: the raw HTTP body (bytes), or a handle caller's dict or vLLM request
         model; ``stream`` overrides the body's ``stream`` (handle methods); ``request_id``
-        (the client's ``X-Request-Id``) overrides the body's ``request_id``, as in vLLM.
+        (the ``X-Request-Id`` header) names the answer unless the body sets ``request_id``
+        (``Preparer.prepare``).
         """
         deadline = asyncio.get_running_loop().time() + self.args.lifecycle.request_timeout_s
         span = tracing.request_span(_SPAN_OPERATION[kind], self.args.served_model_name, trace_headers)

@@ -313,6 +313,12 @@ def test_x_request_id_names_the_answer_as_vllms_server_does(servers):
         assert ids[0] == ids[1] == {f"{prefix}-{header['X-Request-Id']}"}, ids
         r = httpx.get(f"{app_url}/debug/routing/decisions/{prefix}-{header['X-Request-Id']}", timeout=30)
         assert r.status_code == 200 and r.json()["request_id"] == f"{prefix}-{header['X-Request-Id']}", r.text
+    # A body's request_id without the header names the answer on both (Serve's proxy adds its own header).
+    answers = [_post(base, CMPL, cmpl(max_tokens=2, request_id="in-the-body"))[1]["id"] for base in servers]
+    assert answers == ["cmpl-in-the-body"] * 2, answers
+    # Without either, the app names the answer after Serve's request id, which Serve sends back.
+    r = httpx.post(f"{app_url}{CMPL}", json=cmpl(max_tokens=2), timeout=180)
+    assert r.status_code == 200 and r.json()["id"] == f"cmpl-{r.headers['x-request-id']}", (r.headers, r.text)
 
 
 def test_ping_and_version_answer_as_vllms_server_does(servers):
