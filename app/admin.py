@@ -163,10 +163,15 @@ class AdminRoutes:
 
     @fastapi_app.get("/debug/routing/decisions/{request_id}")
     async def debug_decision(self, request_id: str) -> dict[str, Any]:
-        """How the request with this response ``id`` was routed (recent requests only)."""
+        """How the request with this response ``id`` was routed (recent requests only). A stored
+        response's id names its home replica (``app.home``); it was routed under the id without it."""
+        from app.home import base_of
+
         found: list[dict[str, Any]] = []
         for router in list(metrics.ROUTERS):
             found += await _ask(router, lambda r=router: r.decisions_for(request_id))
+            if base_of(request_id) != request_id:
+                found += await _ask(router, lambda r=router: r.decisions_for(base_of(request_id)))
         if found:  # a client may send two requests under one id: the newest, with the others named
             return {**found[-1], "earlier": found[:-1]} if len(found) > 1 else found[-1]
         raise OpenAIError(f"no routing decision recorded for request `{request_id}`", 404)

@@ -349,6 +349,19 @@ class LoRAModule(_Strict):
         return check_local_path(v)
 
 
+class ResponsesStoreConfig(_Strict):
+    """The Responses API's store of each engine replica (``store: true`` responses, their input
+    messages and background streams), which ``previous_response_id``, retrieve and cancel read.
+
+    vLLM keeps it only with ``VLLM_ENABLE_RESPONSES_API_STORE=1`` and never evicts an entry;
+    here it is on by default and bounded per replica by count and by age (``cachetools.TTLCache``).
+    """
+
+    enabled: bool = Field(True, description="keep `store: true` responses (vLLM: VLLM_ENABLE_RESPONSES_API_STORE)")
+    max_entries: int = Field(10_000, ge=1, description="responses kept per engine replica; the oldest go first")
+    ttl_s: float = Field(3600.0, gt=0.0, description="seconds a stored response is kept after it was last written")
+
+
 class ServingConfig(_Strict):
     """vLLM's OpenAI serving settings; each field is the vLLM server flag of the same name.
 
@@ -371,6 +384,7 @@ class ServingConfig(_Strict):
     lora_modules: list[LoRAModule] = Field(default_factory=list, description="--lora-modules; non-empty turns LoRA on")
     max_lora_rank: int = Field(16, ge=1, description="--max-lora-rank")
     max_loras: int = Field(1, ge=1, description="--max-loras: adapters batched together per step")
+    responses_store: ResponsesStoreConfig = Field(default_factory=ResponsesStoreConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> ServingConfig:

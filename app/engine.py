@@ -38,6 +38,7 @@ from ray import serve
 from app import metrics_server, node_address, tracing
 from app import probe as request_probe
 from app.config import AppArgs
+from app.home import home_id
 from app.protocol import (
     STAT_BLOCK_SIZE,
     STAT_EVENTS_ENDPOINT,
@@ -58,6 +59,7 @@ from app.protocol import (
     EngineRequest,
     EngineSummary,
     FirstOutput,
+    StoredResponseCall,
     StreamError,
 )
 from routing.tiers import Tier
@@ -80,6 +82,16 @@ def kv_bytes_per_token(vllm_config) -> int:
     dtype = model.dtype if cache.cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype]
     return (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel) * model.get_head_size()
             * get_dtype_size(dtype))
+
+
+def _responses_sse(result: Any) -> Any:
+    """vLLM's Responses answer with a stream of event models written as its server writes them
+    (``event: <type>`` and ``data: <json>``, its ``_convert_stream_to_sse_events``)."""
+    if not hasattr(result, "__aiter__"):
+        return result
+    from vllm.entrypoints.openai.responses.api_router import _convert_stream_to_sse_events
+
+    return _convert_stream_to_sse_events(result)
 
 
 def _make_load_logger(sink: dict[str, float]):
@@ -109,8 +121,9 @@ class VLLMEngine:
     Args:
         args: the app args (``app.config.AppArgs`` as a dict).
 
-    Handle methods (call with ``.options(stream=True)``): ``chat(EngineRequest)`` and
-    ``completions(EngineRequest)`` stream vLLM's answer (SSE strings, or one
+    Handle methods (call with ``.options(stream=True)``): ``chat(EngineRequest)``,
+    ``completions``, ``responses``, ``responses_retrieve``, ``responses_cancel`` and
+    ``messages`` stream vLLM's answer (SSE strings, or one
     response model or ``ErrorResponse``), its first item after the engine's first
     output wrapped in ``FirstOutput``, its last in ``EngineSummary`` and vLLM's error
     events in ``StreamError`` (see ``app.protocol``).
@@ -239,6 +252,54 @@ class VLLMEngine:
         """Answer a text completion with vLLM's ``OpenAIServingCompletion`` (see class doc)."""
         async for item in self._serve(request, self.frontend.completion.create_completion):
             yield item
+
+    async def responses(self, request: EngineRequest) -> AsyncIterator[Any]:
+        """Answer a Responses API request with vLLM's ``OpenAIServingResponses``; a response it will
+        store is named after this replica (``app.home``), so every request naming it comes back here."""
+        async for item in self._serve(request, self._create_response):
+            yield item
+
+    async def _create_response(self, body: Any) -> Any:
+        serving = self.frontend.responses
+        if body.store and serving.enable_store:
+            body.request_id = home_id(body.request_id, self.replica_id)
+        return _responses_sse(await serving.create_responses(body))
+
+    async def responses_retrieve(self, request: EngineRequest) -> AsyncIterator[Any]:
+        """A stored response, from vLLM's ``retrieve_responses`` (a background stream's events with
+        ``stream``); vLLM's 404 when this replica does not hold it."""
+        call = request.body
+        async for item in self._serve(request, lambda _: self._retrieve(call)):
+            yield item
+
+    async def _retrieve(self, call: StoredResponseCall) -> Any:
+        return _responses_sse(await self.frontend.responses.retrieve_responses(
+            call.response_id, starting_after=call.starting_after, stream=call.stream))
+
+    async def responses_cancel(self, request: EngineRequest) -> AsyncIterator[Any]:
+        """Cancel a stored background response (vLLM's ``cancel_responses``)."""
+        call = request.body
+        async for item in self._serve(request, lambda _: self.frontend.responses.cancel_responses(call.response_id)):
+            yield item
+
+    async def messages(self, request: EngineRequest) -> AsyncIterator[Any]:
+        """Answer an Anthropic Messages request, which the ingress made the chat request vLLM's
+        ``AnthropicServingMessages`` makes of it: its chat serving answers, and its converters turn
+        the answer (or stream) into Anthropic's, as its ``create_messages`` does."""
+        async for item in self._serve(request, self._create_messages):
+            yield item
+
+    async def _create_messages(self, chat_request: Any) -> Any:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        serving = self.frontend.messages
+        answer = await serving.create_chat_completion(chat_request)
+        if isinstance(answer, ErrorResponse):
+            return answer
+        if isinstance(answer, ChatCompletionResponse):
+            return serving.messages_full_converter(answer)
+        return serving.message_stream_converter(answer)
 
     async def _serve(self, request: EngineRequest, create) -> AsyncIterator[Any]:
         """Run one request through vLLM's serving layer; errors it raises become its

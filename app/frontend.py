@@ -13,9 +13,11 @@ requests or responses itself: it builds vLLM's classes from the same settings
   engine would make. It also serves ``/tokenize``, ``/detokenize`` and
   ``/v1/models`` with vLLM's ``ServingTokenization`` and model registry.
 - ``EngineFrontend(engine_client, cfg)``: what each engine replica runs per request:
-  vLLM's ``OpenAIServingChat`` and ``OpenAIServingCompletion`` over the replica's
-  ``AsyncLLM`` (each with ``app.probe.StreamErrorsObserved``: a stream's error
-  events are known as such), with vLLM's ``OpenAIServingModels`` holding the LoRA adapters.
+  vLLM's ``OpenAIServingChat``, ``OpenAIServingCompletion``, ``OpenAIServingResponses``
+  (its store bounded: ``bound_responses_store``) and ``AnthropicServingMessages`` over
+  the replica's ``AsyncLLM`` (chat, completions and messages with
+  ``app.probe.StreamErrorsObserved``: a stream's error events are known as such), with
+  vLLM's ``OpenAIServingModels`` holding the LoRA adapters.
 
 The settings are the ``serving`` block of the app args (``app.config.ServingConfig``),
 each named after the vLLM command-line flag it stands for.
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
-from app.config import AppArgs, resolve_path
+from app.config import AppArgs, ResponsesStoreConfig, resolve_path
 
 if TYPE_CHECKING:
     from vllm.config.model import ModelDType
@@ -129,7 +131,9 @@ class Renderer:
     ``online`` is vLLM's ``OnlineRenderer``: ``await online.render_chat(req)`` and
     ``await online.render_completion(req)`` return the engine inputs (dicts with
     ``prompt_token_ids``) or vLLM's ``ErrorResponse``, and may raise vLLM's
-    validation errors. ``tokenization`` is vLLM's ``ServingTokenization``.
+    validation errors. ``tokenization`` is vLLM's ``ServingTokenization``;
+    ``merge_inline_system`` how vLLM's Messages API converts an Anthropic request for this
+    model's chat template.
     """
 
     def __init__(self, cfg: AppArgs):
@@ -160,6 +164,11 @@ class Renderer:
         # so that `model: <adapter>` passes the model check and is listed.
         for i, m in enumerate(cfg.serving.lora_modules):
             self.registry.lora_requests[m.name] = _lora_request(m, i + 1)
+        # vLLM's Messages API folds system text into the first user turn for chat templates that
+        # refuse a system role; it asks the renderer once, as here (AnthropicServingMessages.__init__).
+        from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+        self.merge_inline_system: bool = AnthropicServingMessages._should_merge_inline_system(self.online)
 
 
 def _lora_request(module, lora_int_id: int):
@@ -183,10 +192,12 @@ class EngineFrontend:
     """
 
     def __init__(self, engine_client: Any, cfg: AppArgs):
+        from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
         from vllm.entrypoints.openai.models.protocol import LoRAModulePath
         from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+        from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
         from vllm.entrypoints.serve.utils.api_utils import process_lora_modules
 
         s = cfg.serving
@@ -210,6 +221,16 @@ class EngineFrontend:
             **common)
         self.completion = _observed(OpenAIServingCompletion)(engine_client, self.models, online_renderer=online,
                                                              **common)
+        chat_like: dict[str, Any] = dict(
+            online_renderer=online, chat_template=kwargs["chat_template"],
+            chat_template_content_format=kwargs["chat_template_content_format"],
+            reasoning_parser=kwargs["reasoning_parser"], enable_auto_tools=s.enable_auto_tool_choice,
+            tool_parser=s.tool_call_parser, default_chat_template_kwargs=kwargs["default_chat_template_kwargs"],
+            **common)
+        self.responses = OpenAIServingResponses(engine_client, self.models, **chat_like)
+        bound_responses_store(self.responses, s.responses_store)
+        self.messages = _observed(AnthropicServingMessages)(engine_client, self.models, s.response_role,
+                                                            **chat_like)
         self._adapters_loaded = False
 
     async def load_adapters(self) -> None:
@@ -218,6 +239,21 @@ class EngineFrontend:
             await self.models.init_static_loras()
             self._adapters_loaded = True
 
+
+
+def bound_responses_store(serving: Any, cfg: ResponsesStoreConfig) -> None:
+    """Turn vLLM's Responses store on or off (``cfg.enabled``, in place of its process-wide
+    ``VLLM_ENABLE_RESPONSES_API_STORE``) and bound it: its stored responses, their input messages
+    and background streams' events each become a ``cachetools.TTLCache`` of ``cfg.max_entries``
+    entries kept ``cfg.ttl_s`` seconds after their last write (vLLM's are dicts that never shrink).
+
+    An entry that expires is answered as one never stored: vLLM's 404 "Response with id ... not found".
+    """
+    from cachetools import TTLCache
+
+    serving.enable_store = cfg.enabled
+    for name in ("response_store", "msg_store", "event_store"):
+        setattr(serving, name, TTLCache(maxsize=cfg.max_entries, ttl=cfg.ttl_s))
 
 
 def _observed(serving_cls: type) -> type:

@@ -50,10 +50,13 @@ from app.config import AppArgs
 from app.errors import quiet_client_errors
 from app.http_app import fastapi_app, read_body
 from app.ingress_targets import Announcer
-from app.prepare import CHAT, COMPLETION
-from app.serving import OpenAIServing
+from app.prepare import CANCEL, CHAT, COMPLETION, MESSAGES, RESPONSES, RETRIEVE
+from app.serving import DIALECTS, OpenAIServing
 
-ROUTES = {CHAT: "/v1/chat/completions", COMPLETION: "/v1/completions"}
+ROUTES = {CHAT: "/v1/chat/completions", COMPLETION: "/v1/completions", RESPONSES: "/v1/responses",
+          RETRIEVE: "/v1/responses/{response_id}", CANCEL: "/v1/responses/{response_id}/cancel",
+          MESSAGES: "/v1/messages"}
+"""The generate routes, by kind (also their ``route`` label in ``prefix_serve_requests_total``)."""
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -105,9 +108,50 @@ class OpenAIIngress(AdminRoutes):
         """vLLM's text completion: JSON, or its SSE stream with ``stream: true``."""
         return await self._http(COMPLETION, request)
 
+    @fastapi_app.post("/v1/responses")
+    async def http_responses(self, request: Request) -> Response:
+        """vLLM's Responses API: a ``ResponsesResponse``, or its SSE stream (``event: <type>``) with
+        ``stream: true``. A ``store: true`` response is kept by the engine replica that answered it
+        (``serving.responses_store``) and its id names that replica, where ``previous_response_id``,
+        retrieve and cancel are sent (``app.home``)."""
+        return await self._http(RESPONSES, request)
+
+    @fastapi_app.get("/v1/responses/{response_id}")
+    async def http_retrieve_response(self, response_id: str, request: Request, starting_after: int | None = None,
+                                     stream: bool | None = False) -> Response:
+        """A stored response from its home replica, or (``stream=true``) its background stream's events
+        after ``starting_after``; vLLM's 404 once the replica is gone or the entry expired."""
+        return await self._stored(RETRIEVE, response_id, request, starting_after, stream)
+
+    @fastapi_app.post("/v1/responses/{response_id}/cancel")
+    async def http_cancel_response(self, response_id: str, request: Request) -> Response:
+        """Cancel a stored background response on its home replica (vLLM's ``cancel_responses``)."""
+        return await self._stored(CANCEL, response_id, request)
+
+    @fastapi_app.post("/v1/messages")
+    async def http_messages(self, request: Request) -> Response:
+        """Anthropic's Messages API as vLLM serves it: JSON, or its SSE stream with ``stream: true``;
+        errors in Anthropic's shape."""
+        return await self._http(MESSAGES, request)
+
+    @fastapi_app.post("/v1/messages/count_tokens")
+    async def http_count_tokens(self, request: Request) -> Response:
+        """Anthropic's ``count_tokens`` as vLLM answers it: the prompt's tokens, counted in the ingress."""
+        raw = await read_body(request, self.args.max_request_body_bytes)
+        answer = await self.serving.count_tokens(raw)
+        return results.error_response(answer, None, DIALECTS[MESSAGES]) if isinstance(answer, results.Failed) \
+            else results.JSONResponse(DIALECTS[MESSAGES].dump(answer.response))
+
     async def _http(self, kind: str, request: Request) -> Response:
         return await results.respond(ROUTES[kind], self._create(kind, request),
-                                     self.args.lifecycle.stream_keepalive_s)
+                                     self.args.lifecycle.stream_keepalive_s, DIALECTS[kind])
+
+    async def _stored(self, kind: str, response_id: str, request: Request, starting_after: int | None = None,
+                      stream: bool | None = False) -> Response:
+        headers = {k: request.headers[k] for k in ("traceparent", "tracestate") if k in request.headers}
+        return await results.respond(ROUTES[kind], self.serving.stored(kind, response_id, headers, starting_after,
+                                                                       stream),
+                                     self.args.lifecycle.stream_keepalive_s, DIALECTS[kind])
 
     async def _create(self, kind: str, request: Request) -> results.Result:
         headers = {k: request.headers[k] for k in ("traceparent", "tracestate") if k in request.headers}

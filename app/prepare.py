@@ -28,11 +28,16 @@ from typing import Any
 from app import tracing
 from app.config import AppArgs
 from app.errors import OpenAIError
-from app.protocol import IDS_INTO_KV_TRANSFER_PARAMS, IDS_INTO_PROMPT, EngineRequest
+from app.home import home_of
+from app.protocol import IDS_INTO_KV_TRANSFER_PARAMS, IDS_INTO_PROMPT, EngineRequest, StoredResponseCall
 from app.results import Failed, from_vllm
 
 CHAT, COMPLETION = "chat", "completions"
-"""The two generate kinds (also the engine deployment's method names)."""
+"""The two generate kinds of OpenAI's first API (also the engine deployment's method names)."""
+RESPONSES, MESSAGES = "responses", "messages"
+"""The Responses API and Anthropic's Messages API (engine methods of the same names)."""
+RETRIEVE, CANCEL = "responses_retrieve", "responses_cancel"
+"""A stored response read or cancelled (engine methods of the same names)."""
 ID_PREFIX = {CHAT: "chatcmpl", COMPLETION: "cmpl"}  # vLLM's response id prefixes
 MAX_MESSAGE_ITEMS = 4096
 """Most messages plus content parts one chat request may hold. Validating a request
@@ -50,6 +55,7 @@ class Preparer:
     def __init__(self, args: AppArgs, renderer: Any):
         self.args = args
         self.renderer = renderer
+        self._effort: str | None = None
 
     async def prepare(self, kind: str, body: Any, stream: bool | None = None,
                       request_id: str | None = None) -> EngineRequest | Failed:
@@ -79,13 +85,106 @@ class Preparer:
         except Exception as e:  # noqa: BLE001 - the preparation's boundary: every error mapped once, as vLLM's
             return refusal(e, stage, "messages" if kind == CHAT else "prompt")
 
+    async def prepare_responses(self, body: Any, stream: bool | None = None) -> EngineRequest | Failed:
+        """A Responses API request (``POST /v1/responses``) as an ``EngineRequest``, or the error.
+
+        A request that continues a stored response (``previous_response_id``) goes to that
+        response's home replica (``app.home``), the only one holding the conversation; it
+        carries no block keys (its prompt is the stored conversation, known there only). Any
+        other is rendered with vLLM's renderer, as vLLM's Responses serving renders it, for its
+        block keys; vLLM's Responses serving takes no pre-rendered ids, so the engine renders it again.
+        vLLM names the response by the body's ``request_id`` (``X-Request-Id`` is not read).
+        """
+        stage = "body"
+        try:
+            req = self.request(RESPONSES, body)
+            if stream is not None:
+                req.stream = stream
+            stage = "model"
+            self.check_model(req.model)
+            stage = "render"
+            prompts: list[list[int]] = [[]]
+            if req.previous_response_id is None:
+                with tracing.tracer().start_as_current_span("prefix_serve.tokenize") as span:
+                    answer = from_vllm(await self.renderer.online.render_responses(req.model_copy(deep=True)))
+                    if isinstance(answer, Failed):
+                        return answer
+                    prompts = [list(answer.response.engine_input.get("prompt_token_ids") or ())]
+                    span.set_attribute("gen_ai.usage.input_tokens", len(prompts[0]))
+            return self.engine_request(RESPONSES, req, prompts)
+        except Exception as e:  # noqa: BLE001 - the preparation's boundary: every error mapped once, as vLLM's
+            return refusal(e, stage, "input")
+
+    async def prepare_messages(self, body: Any, stream: bool | None = None,
+                               request_id: str | None = None) -> EngineRequest | Failed:
+        """An Anthropic Messages request (``POST /v1/messages``) as the ``EngineRequest`` of the
+        chat completion vLLM's Messages API makes of it (``AnthropicServingMessages
+        .to_chat_completion_request``), rendered and tokenized once here as any chat request; the
+        engine replica answers it with vLLM's chat serving and converts the answer back as vLLM does."""
+        chat = await self.messages_as_chat(body, stream)
+        if isinstance(chat, Failed):
+            return chat
+        return await self.prepare(CHAT, chat, None, request_id)
+
+    async def messages_as_chat(self, body: Any, stream: bool | None = None, count_tokens: bool = False) -> Any:
+        """vLLM's ``ChatCompletionRequest`` of an Anthropic Messages (or ``count_tokens``) body, or ``Failed``."""
+        from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+        stage = "body"
+        try:
+            req = self.request("count_tokens" if count_tokens else MESSAGES, body)
+            if stream is not None:
+                req.stream = stream
+            stage = "model"
+            self.check_model(req.model)
+            stage = "render"
+            effort: Any = "none"
+            if req.thinking is not None and req.thinking.type == "disabled":
+                effort = await self.disabled_thinking_effort()
+            return AnthropicServingMessages.to_chat_completion_request(
+                req, merge_inline_system=self.renderer.merge_inline_system, disabled_thinking_effort=effort)
+        except Exception as e:  # noqa: BLE001 - the preparation's boundary: every error mapped once, as vLLM's
+            return refusal(e, stage, "messages")
+
+    async def disabled_thinking_effort(self) -> Any:
+        """The ``reasoning_effort`` vLLM's Messages API gives ``thinking: {type: disabled}`` for this
+        model: ``none``, or ``low`` when the chat template refuses ``none`` or renders it as it renders
+        an effort (vLLM's ``_probe_disabled_thinking_effort``, asked of the same renderer); found once."""
+        if self._effort is None:
+            from typing import get_args
+
+            from vllm.entrypoints.anthropic.protocol import AnthropicEffort
+
+            none = await self._probe_prompt("none")
+            self._effort = "low" if none is None else "none"
+            for effort in get_args(AnthropicEffort) if none is not None else ():
+                if await self._probe_prompt(effort) == none:
+                    self._effort = "low"
+                    break
+        return self._effort
+
+    async def _probe_prompt(self, effort: str) -> list[int] | None:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], reasoning_effort=effort)
+        try:
+            return (await self.render(CHAT, req))[0]
+        except Exception:  # noqa: BLE001 - vLLM's probe: a template that refuses the effort
+            return None
+
+    def stored_call(self, kind: str, response_id: str, starting_after: int | None = None,
+                    stream: bool | None = False) -> EngineRequest:
+        """The ``EngineRequest`` of a retrieve (``RETRIEVE``) or cancel (``CANCEL``) of a stored
+        response: no prompt, sent to the response's home replica."""
+        return EngineRequest(request_id=response_id, prompt_token_ids=array("I"),
+                             body=StoredResponseCall(response_id, starting_after, stream),
+                             trace_headers=tracing.inject(), block_size=self.args.engine.block_size,
+                             home_replica=home_of(response_id))
+
     def request(self, kind: str, body: Any) -> Any:
         """vLLM's request model of ``body``; raises ``OpenAIError`` (400) for a body that is not
         a JSON object of valid text or is too large in items, pydantic's or vLLM's error otherwise."""
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-
-        model_cls = ChatCompletionRequest if kind == CHAT else CompletionRequest
+        model_cls = _request_model(kind)
         if isinstance(body, model_cls):
             return body
         if isinstance(body, (bytes, bytearray)):
@@ -127,6 +226,12 @@ class Preparer:
     def engine_request(self, kind: str, req: Any, prompts: list[list[int]]) -> EngineRequest:
         """The ``EngineRequest`` of a rendered request: the ids once, as arrays, out of the body."""
         ids = prompts[0] if prompts else []
+        lora = req.model if req.model in self.renderer.registry.lora_requests else None
+        if kind == RESPONSES:  # vLLM's Responses serving renders its own prompt: the ids are for routing
+            return EngineRequest(
+                request_id=req.request_id, prompt_token_ids=array("I", ids), body=req, cache_salt=req.cache_salt,
+                lora_name=lora, trace_headers=tracing.inject(), block_size=self.args.engine.block_size,
+                prefill_tokens=len(ids), home_replica=home_of(req.previous_response_id))
         ids_into = None
         if kind == CHAT:
             if ids and not req.echo:
@@ -134,7 +239,6 @@ class Preparer:
         elif prompts and all(prompts) and not req.echo and req.suffix is None and req.prompt_embeds is None:
             ids_into = IDS_INTO_PROMPT
             req.prompt = None  # the engine replica puts the ids back (EngineRequest.vllm_request)
-        lora = req.model if req.model in self.renderer.registry.lora_requests else None
         # vLLM's rule (SamplingParams.skip_reading_prefix_cache): prompt logprobs read no cache;
         # echo asks for them with the answer's logprobs (to_sampling_params).
         prompt_logprobs = req.prompt_logprobs
@@ -153,6 +257,17 @@ class Preparer:
             prefill_tokens=sum(len(p) for p in prompts) * max(1, req.n or 1),
             bypass_cache=prompt_logprobs is not None,
         )
+
+
+def _request_model(kind: str) -> Any:
+    """vLLM's request model (a pydantic class) of a kind of request."""
+    from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    return {CHAT: ChatCompletionRequest, COMPLETION: CompletionRequest, RESPONSES: ResponsesRequest,
+            MESSAGES: AnthropicMessagesRequest}.get(kind, AnthropicCountTokensRequest)
 
 
 def refusal(e: Exception, stage: str, field: str) -> Failed:

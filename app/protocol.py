@@ -93,6 +93,9 @@ class EngineRequest:
             the prompts of a list, times ``n`` (0: ``len(prompt_token_ids)``).
         bypass_cache: vLLM computes the whole prompt, reading no prefix cache
             (``prompt_logprobs``, or ``echo`` with logprobs).
+        home_replica: the engine replica that holds the stored response this
+            request names (``app.home``): the router sends it there while that
+            replica runs, and routes it as any other once it is gone.
     """
 
     request_id: str
@@ -108,6 +111,7 @@ class EngineRequest:
     route_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     prefill_tokens: int = 0
     bypass_cache: bool = False
+    home_replica: str | None = None
 
     def vllm_request(self) -> Any:
         """``body`` with the rendered ids put back where vLLM's serving layer reads them
@@ -121,6 +125,17 @@ class EngineRequest:
             first = self.prompt_token_ids.tolist()
             body.prompt = [first, *(p.tolist() for p in self.more_prompts)] if self.more_prompts else first
         return body
+
+
+@dataclass(slots=True)
+class StoredResponseCall:
+    """The body of a Responses retrieve (``GET /v1/responses/{id}``) or cancel
+    (``POST /v1/responses/{id}/cancel``), as vLLM's ``retrieve_responses`` and
+    ``cancel_responses`` take it; ``stream`` replays a background stream's events."""
+
+    response_id: str
+    starting_after: int | None = None
+    stream: bool | None = False
 
 
 @dataclass(slots=True)

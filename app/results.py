@@ -10,7 +10,8 @@ or (a stream) an async iterator of SSE strings. The ingress's serving layer
 - ``Streamed``: the stream's events, each ``StreamEvent``: vLLM's SSE strings
   (``"data: {...}\\n\\n"``, the last ``DONE``), ``Accepted`` (an engine replica took the
   request, so its headers may go out) and ``StreamError`` (the stream ends by an
-  error; ``DONE`` follows). Every stream ends with ``DONE``.
+  error; ``DONE`` follows). A chat or completion stream ends with ``DONE``; a Responses
+  or Messages stream just ends, as vLLM's do (each API's ``Dialect``).
 
 ``from_vllm`` is the one place that tells vLLM's error apart from its answer.
 ``respond`` maps a result to HTTP (JSON with its status, or SSE through ``app.sse``)
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -103,6 +104,54 @@ class Streamed:
 Result: TypeAlias = "Failed | Whole | Streamed"
 
 
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """How one API writes its answers, as vLLM's server writes them (its ``api_router`` modules).
+
+    ``dump``: a whole answer's JSON object; ``error``: an error's JSON object from the OpenAI
+    error body (``{"error": {"message", "type", "param", "code"}}``); ``done``: the stream's
+    last event, or None for a stream that just ends (Responses, Anthropic Messages);
+    ``event``: the SSE text of an error that ends a stream, from the OpenAI error body.
+    """
+
+    name: str
+    dump: Callable[[Any], dict[str, Any]]
+    error: Callable[[dict[str, Any]], dict[str, Any]]
+    done: str | None
+    event: Callable[[dict[str, Any]], str]
+
+    def stream_error(self, body: dict[str, Any]) -> StreamError:
+        """The event that ends a stream by the error ``body`` (OpenAI's shape; its ``code`` is the status)."""
+        return StreamError(int(body["error"]["code"]), body, self.event(body))
+
+
+def _sse(data: dict[str, Any], event: str | None = None) -> str:
+    text = json.dumps(data, ensure_ascii=True)
+    return f"event: {event}\ndata: {text}\n\n" if event else f"data: {text}\n\n"
+
+
+def _anthropic_error(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's Anthropic error (``translate_error_response``): ``{"type": "error", "error": {"type", "message"}}``."""
+    e = body["error"]
+    return {"type": "error", "error": {"type": e.get("type"), "message": e.get("message")}}
+
+
+def _responses_error_event(body: dict[str, Any]) -> str:
+    e = body["error"]
+    return _sse({"type": "error", "code": str(e.get("code")), "message": e.get("message"), "param": e.get("param"),
+                 "sequence_number": 0}, "error")
+
+
+OPENAI = Dialect("openai", lambda r: r.model_dump(), lambda b: b, DONE, _sse)
+"""Chat and completions: vLLM's models dumped as they are, streams of ``data:`` events ending ``[DONE]``."""
+RESPONSES_API = Dialect("responses", lambda r: r.model_dump(mode="json", by_alias=True), lambda b: b, None,
+                    _responses_error_event)
+"""The Responses API: ``event: <type>`` SSE events, no ``[DONE]``; errors in OpenAI's shape."""
+ANTHROPIC = Dialect("anthropic", lambda r: r.model_dump(exclude_none=True), _anthropic_error, None,
+                    lambda b: _sse(_anthropic_error(b), "error"))
+"""The Anthropic Messages API: its own error shape, ``event: <type>`` SSE events ending ``message_stop``."""
+
+
 def from_vllm(answer: Any) -> Failed | Whole:
     """vLLM's answer (an ``ErrorResponse`` or a response model) as a result."""
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
@@ -110,19 +159,19 @@ def from_vllm(answer: Any) -> Failed | Whole:
     return Failed(answer) if isinstance(answer, ErrorResponse) else Whole(answer)
 
 
-def stream_error(failed: Failed) -> StreamError:
+def stream_error(failed: Failed, dialect: Dialect = OPENAI) -> StreamError:
     """The SSE error event of an error answer."""
-    return StreamError.of(failed.body())
+    return dialect.stream_error(failed.body())
 
 
-async def respond(route: str, answer: Awaitable[Result], keepalive_s: float) -> Response:
+async def respond(route: str, answer: Awaitable[Result], keepalive_s: float, dialect: Dialect = OPENAI) -> Response:
     """The HTTP response to one generate request: JSON with the answer's status, or its SSE stream.
 
     ``prefix_serve_requests_total{route, status}`` counts what the client saw: the
     status, the error event's status for a stream that ended by one, ``499`` for a
     client that went away first (a stream counts itself when it ends, ``app.sse``).
     An exception ``answer`` raises (``OpenAIError``, such as a 413) is counted and
-    left to the app's exception handlers.
+    left to the app's exception handlers. ``dialect``: how the API writes answers and errors.
     """
     from app import sse
 
@@ -132,18 +181,18 @@ async def respond(route: str, answer: Awaitable[Result], keepalive_s: float) -> 
         metrics.REQUESTS.labels(route=route, status=_status_of(e)).inc()
         raise
     if isinstance(result, Streamed):
-        return await sse.respond(result.events, route, keepalive_s)
+        return await sse.respond(result.events, route, keepalive_s, dialect)
     if isinstance(result, Failed):
-        return error_response(result, route)
+        return error_response(result, route, dialect)
     metrics.REQUESTS.labels(route=route, status="200").inc()
-    return JSONResponse(result.response.model_dump())
+    return JSONResponse(dialect.dump(result.response))
 
 
-def error_response(failed: Failed, route: str | None = None) -> JSONResponse:
+def error_response(failed: Failed, route: str | None = None, dialect: Dialect = OPENAI) -> JSONResponse:
     """JSON of an error answer with its status; counted for ``route`` if one is given."""
     if route is not None:
         metrics.REQUESTS.labels(route=route, status=str(failed.status)).inc()
-    return JSONResponse(failed.body(), status_code=failed.status)
+    return JSONResponse(dialect.error(failed.body()), status_code=failed.status)
 
 
 def json_response(result: Failed | Whole) -> JSONResponse:

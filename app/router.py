@@ -15,7 +15,8 @@ forget) and its reads (``ask``: readiness, gauges, the debug routes).
 For each generate call: the prompt's block keys (``routing.block_keys``), then
 ``RouterState.choose`` over the candidates, and ``[[chosen], [the other scored
 candidates, lowest score first], ...]`` so Serve falls through to the next rank
-if the chosen replica is full (with 32 candidates or more only those that could
+if the chosen replica is full (a request naming a stored response, ``EngineRequest.home_replica``,
+gets ``[[its home]]`` while that replica runs) (with 32 candidates or more only those that could
 win are scored: then every candidate with the request's adapter, as Serve listed
 them, and every replica after). ``choose_replicas`` never raises: an error falls
 back to least in flight first (counted, ``prefix_serve_router_fallbacks_total``); every routed
@@ -232,6 +233,11 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             if self.init_error is not None:
                 return self._fallback(candidate_replicas, pending_request, request, "router_config")
             uids = self._candidate_set(candidate_replicas).uids
+            if request.home_replica is not None:
+                home = self._by_uid.get(request.home_replica)
+                if home is not None:
+                    return self._home(home, pending_request, request)
+                metrics.FALLBACKS.labels(cause="home_gone").inc()  # routed as any other: vLLM's 404 there
             while True:  # a router's first seconds (or a replica just followed): not routed blind
                 if candidate_replicas is not self._followed_list:  # endpoints come with new stats: a new list
                     for r in candidate_replicas:
@@ -252,6 +258,15 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
                           lora_name=request.lora_name)
         return RouteRequest(keys, len(request.prompt_token_ids), block_size, request.prefill_tokens,
                             request.bypass_cache, request.request_id)
+
+    def _home(self, home: RunningReplica, pending: PendingRequest,
+              request: EngineRequest) -> list[list[RunningReplica]]:
+        """``[[home]]``: a request naming a stored response goes to the replica holding it, and waits
+        there (Serve backs off) while that replica is full; recorded with the reason ``home``."""
+        self.state.note_fallback(pending.metadata.internal_request_id, "home", RouteRequest(
+            (), len(request.prompt_token_ids), request.block_size or 1, request.prefill_tokens,
+            request.bypass_cache, request.request_id), time.time(), time.time_ns())
+        return [[home]]
 
     def _fallback(self, candidates: list[RunningReplica], pending: PendingRequest | None, request: Any,
                   cause: str) -> list[list[RunningReplica]]:

@@ -33,15 +33,32 @@ from app.config import AppArgs
 from app.dispatch import Dispatcher
 from app.errors import error_body
 from app.offload import WorkerLoop
-from app.prepare import CHAT, Preparer, decode, refusal
-from app.protocol import EngineRequest, StreamError
-from app.results import DONE, Failed, Result, Streamed, StreamEvent, Whole, from_vllm, stream_error
+from app.prepare import CANCEL, CHAT, COMPLETION, MESSAGES, RESPONSES, RETRIEVE, Preparer, decode, refusal
+from app.protocol import EngineRequest
+from app.results import (
+    ANTHROPIC,
+    DONE,
+    OPENAI,
+    RESPONSES_API,
+    Dialect,
+    Failed,
+    Result,
+    Streamed,
+    StreamEvent,
+    Whole,
+    from_vllm,
+    stream_error,
+)
 
 logger = logging.getLogger("prefix_serve.ingress")
 INLINE_BODY_BYTES = 64 * 1024
 """HTTP bodies up to this size are parsed, validated and rendered on the serving loop
 (a few ms of CPU at most); larger ones, and handle callers' bodies, on the worker loop."""
-_SPAN_OPERATION = {CHAT: "chat", "completions": "text_completion"}
+_SPAN_OPERATION = {CHAT: "chat", COMPLETION: "text_completion", RESPONSES: "chat", MESSAGES: "chat",
+                   RETRIEVE: "retrieve_response", CANCEL: "cancel_response"}
+DIALECTS: dict[str, Dialect] = {CHAT: OPENAI, COMPLETION: OPENAI, RESPONSES: RESPONSES_API,
+                                RETRIEVE: RESPONSES_API, CANCEL: RESPONSES_API, MESSAGES: ANTHROPIC}
+"""How each kind's answers are written (``app.results.Dialect``)."""
 
 
 class OpenAIServing:
@@ -62,18 +79,51 @@ class OpenAIServing:
 
     async def create(self, kind: str, body: Any, trace_headers: dict[str, str] | None = None,
                      stream: bool | None = None, request_id: str | None = None) -> Result:
-        """Answer one chat (``kind="chat"``) or completion (``"completions"``) request.
+        """Answer one generate request: chat (``kind=CHAT``), completion (``COMPLETION``), Responses
+        (``RESPONSES``) or Anthropic Messages (``MESSAGES``), each written as its API writes it (``DIALECTS``).
 
         ``body``: the raw HTTP body (bytes), or a handle caller's dict or vLLM request
         model; ``stream`` overrides the body's ``stream`` (handle methods); ``request_id``
         (the ``X-Request-Id`` header) names the answer unless the body sets ``request_id``
         (``Preparer.prepare``).
         """
+        return await self._answer(kind, trace_headers, lambda: self._prepare(kind, body, stream, request_id))
+
+    async def stored(self, kind: str, response_id: str, trace_headers: dict[str, str] | None = None,
+                     starting_after: int | None = None, stream: bool | None = False) -> Result:
+        """Answer a retrieve (``kind=RETRIEVE``) or cancel (``CANCEL``) of the stored response
+        ``response_id`` from its home replica (``app.home``); vLLM's 404 if it is gone or expired."""
+
+        async def prepare() -> EngineRequest:
+            return self.preparer.stored_call(kind, response_id, starting_after, stream)
+
+        return await self._answer(kind, trace_headers, prepare)
+
+    async def count_tokens(self, raw: bytes) -> Failed | Whole:
+        """vLLM's answer to Anthropic's ``POST /v1/messages/count_tokens``: the prompt tokens of the
+        chat request vLLM's Messages API makes of the body, rendered here (no engine is asked)."""
+        from vllm.entrypoints.anthropic.protocol import AnthropicContextManagement, AnthropicCountTokensResponse
+
+        async def answer() -> Failed | Whole:
+            chat = await self.preparer.messages_as_chat(raw, count_tokens=True)
+            if isinstance(chat, Failed):
+                return chat
+            try:
+                n = sum(len(p) for p in await self.preparer.render(CHAT, chat))
+            except Exception as e:  # noqa: BLE001 - the route's boundary: vLLM's mapping
+                return refusal(e, "render", "messages")
+            return Whole(AnthropicCountTokensResponse(
+                input_tokens=n, context_management=AnthropicContextManagement(original_input_tokens=n)))
+
+        return await (answer() if len(raw) <= INLINE_BODY_BYTES else self.worker.run(answer()))
+
+    async def _answer(self, kind: str, trace_headers: dict[str, str] | None, prepare: Any) -> Result:
+        """Prepare (``prepare()``: the ``EngineRequest`` or ``Failed``), send and follow one request."""
         deadline = asyncio.get_running_loop().time() + self.args.lifecycle.request_timeout_s
         span = tracing.request_span(_SPAN_OPERATION[kind], self.args.served_model_name, trace_headers)
         with tracing.ending(span) as ending:
             with tracing.current(span):  # the worker runs in a copy of this context: the span is its parent
-                prepared = await self._prepare(kind, body, stream, request_id)
+                prepared = await prepare()
             if isinstance(prepared, Failed):
                 span.set_attribute("error.type", str(prepared.status))
                 return prepared
@@ -84,7 +134,12 @@ class OpenAIServing:
 
     async def _prepare(self, kind: str, body: Any, stream: bool | None,
                        request_id: str | None = None) -> EngineRequest | Failed:
-        work = self.preparer.prepare(kind, body, stream, request_id)
+        if kind == RESPONSES:
+            work = self.preparer.prepare_responses(body, stream)
+        elif kind == MESSAGES:
+            work = self.preparer.prepare_messages(body, stream, request_id)
+        else:
+            work = self.preparer.prepare(kind, body, stream, request_id)
         small = isinstance(body, (bytes, bytearray)) and len(body) <= INLINE_BODY_BYTES
         return await (work if small else self.worker.run(work))
 
@@ -97,18 +152,20 @@ class OpenAIServing:
         return answer
 
     async def _events(self, kind: str, ereq: EngineRequest, span: Any, deadline: float) -> AsyncIterator[StreamEvent]:
-        """The stream's events; every stream ends with ``DONE``, an error event before it if it failed."""
+        """The stream's events, ended as its API ends them (``DONE`` for chat and completions), an
+        error event last if it failed."""
+        dialect = DIALECTS[kind]
         with tracing.ending(span):
             done = False
             async for item in self.dispatcher.answer(kind, ereq, span, deadline):
                 if isinstance(item, Failed):  # vLLM refused the request instead of streaming, or the call failed
-                    item = stream_error(item)
+                    item = stream_error(item, dialect)
                 elif isinstance(item, Whole):
-                    item = StreamError.of(error_body("engine error: a streamed request answered whole", 500))
+                    item = dialect.stream_error(error_body("engine error: a streamed request answered whole", 500))
                 yield item
                 done = item == DONE
-            if not done:
-                yield DONE
+            if not done and dialect.done is not None:
+                yield dialect.done
 
     async def tokenization(self, raw: bytes, adapter: Any, method: str, request: Any) -> Failed | Whole:
         """vLLM's ``/tokenize`` or ``/detokenize`` answer (``method``: ``create_tokenize`` or

@@ -28,14 +28,16 @@ from starlette.responses import Response
 
 from app import metrics
 from app.protocol import Accepted, StreamError
-from app.results import CLIENT_CLOSED, DONE, JSONResponse, StreamEvent
+from app.results import CLIENT_CLOSED, DONE, OPENAI, Dialect, JSONResponse, StreamEvent
 
 KEEPALIVE = ": keep-alive\n\n"  # vLLM's SSE_KEEP_ALIVE_COMMENT: clients skip it, proxies see bytes flow
 
 
-async def respond(events: AsyncIterator[StreamEvent], route: str, keepalive_s: float) -> Response:
+async def respond(events: AsyncIterator[StreamEvent], route: str, keepalive_s: float,
+                  dialect: Dialect = OPENAI) -> Response:
     """The HTTP response of a stream (see the module doc); counted in
-    ``prefix_serve_requests_total{route, status}`` when it ends."""
+    ``prefix_serve_requests_total{route, status}`` when it ends. ``dialect``: the API's error
+    shape and stream end (``app.results.Dialect``)."""
     keepalive = keepalive_s or None
     committed = False
     asked = _ask(events)
@@ -48,17 +50,19 @@ async def respond(events: AsyncIterator[StreamEvent], route: str, keepalive_s: f
             raise
         if isinstance(first, StreamError):  # refused before anything was sent: its own status
             metrics.REQUESTS.labels(route=route, status=str(first.status)).inc()
-            return JSONResponse(first.body, status_code=first.status)
+            return JSONResponse(dialect.error(first.body), status_code=first.status)
         committed = True
-        return StreamingResponse(_body(events, first, pending, keepalive, route), media_type="text/event-stream")
+        return StreamingResponse(_body(events, first, pending, keepalive, route, dialect.done is None),
+                                 media_type="text/event-stream")
     finally:
         if not committed:
             await _end(events, pending)
 
 
 async def _body(events: AsyncIterator[StreamEvent], event: Any, pending: asyncio.Future | None,
-                keepalive: float | None, route: str) -> AsyncIterator[str]:
-    """The committed stream's text; counted when it ends (``499`` if the client left before ``[DONE]``)."""
+                keepalive: float | None, route: str, ends_plain: bool) -> AsyncIterator[str]:
+    """The committed stream's text; counted when it ends (``499`` if the client left before ``[DONE]``,
+    or, for a stream that ends without it (``ends_plain``), before its last event)."""
     status = CLIENT_CLOSED
     failed: str | None = None
     try:
@@ -80,6 +84,8 @@ async def _body(events: AsyncIterator[StreamEvent], event: Any, pending: asyncio
                 yield text
             event = await anext(events)
     except StopAsyncIteration:
+        if ends_plain:
+            status = failed or "200"
         return
     finally:
         await _end(events, pending)
