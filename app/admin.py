@@ -8,6 +8,8 @@ engine deployment's handle), ``self.serving`` (``app.serving.OpenAIServing``),
 - ``GET /health``: liveness (this ingress replica is up; the engines may still be loading);
   ``GET|POST /ping`` the same, as vLLM answers it; ``GET /version``: vLLM's version.
 - ``GET /ready``: readiness (no API key); see ``ready``.
+- ``GET /load``: vLLM's server load, per engine replica and in sum; ``POST /reset_prefix_cache``:
+  vLLM's reset, on every engine replica (``app.broadcast``).
 - ``GET /debug/routing``, ``GET /debug/routing/decisions/{id}``: the routers' state and
   a request's routing decision.
 - ``GET /metrics``: this replica's Prometheus metrics; ``GET /metrics/engines`` and
@@ -83,6 +85,36 @@ class AdminRoutes:
         from vllm.version import __version__
 
         return {"version": __version__}
+
+    @fastapi_app.get("/load")
+    async def load(self) -> dict[str, Any]:
+        """vLLM's ``/load`` (``{"server_load": requests in flight}``), summed over the engine replicas,
+        with each replica's own figure under ``replicas``: its running and waiting requests as it last
+        reported them to the routers (about every 10 s: Serve's routing-stats period)."""
+        from app.broadcast import replica_ids
+
+        await replica_ids(self.engine)  # a router exists from here on
+        loads: dict[str, int] = {}
+        for router in list(metrics.ROUTERS):
+            report = getattr(router, "replica_loads", None)
+            if report is not None:
+                loads.update(await _ask(router, report))
+        return {"server_load": sum(loads.values()), "replicas": dict(sorted(loads.items()))}
+
+    @fastapi_app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(self, reset_running_requests: bool = False,
+                                 reset_external: bool = False) -> dict[str, Any]:
+        """vLLM's ``/reset_prefix_cache`` on every engine replica (``app.broadcast``): ``{"success": true}``
+        when each one reset, with each replica's answer under ``replicas``. vLLM refuses a reset
+        (``success: false``) while blocks are held by running requests, unless ``reset_running_requests``;
+        ``reset_external`` also resets the host-memory tier. Each engine publishes ``AllBlocksCleared``:
+        every router's index drops the replica's blocks."""
+        from app.broadcast import to_every_replica
+
+        answers = await to_every_replica(self.engine, "reset_prefix_cache", {
+            "reset_running_requests": reset_running_requests, "reset_external": reset_external})
+        ok = bool(answers) and all(a.get("success") is True for a in answers.values())
+        return {"success": ok, "replicas": answers}
 
     @fastapi_app.get("/ready")
     async def ready(self):

@@ -380,6 +380,19 @@ class VLLMEngine:
         summary.data = data
         return summary
 
+    async def reset_prefix_cache(self, request: EngineRequest) -> dict[str, Any]:
+        """vLLM's ``reset_prefix_cache`` on this engine (``request.body``: ``{"reset_running_requests",
+        "reset_external"}``, vLLM's query parameters), if this is the replica ``request.home_replica``
+        names (``app.broadcast``). The engine publishes ``AllBlocksCleared``, so every router's index
+        drops this replica's blocks. Answers ``{"success": bool}`` (``"misrouted": true`` if not named)."""
+        if request.home_replica != self.replica_id:
+            return {"success": False, "misrouted": True}
+        body = request.body or {}
+        ok = await self.engine.reset_prefix_cache(bool(body.get("reset_running_requests")),
+                                                  bool(body.get("reset_external")))
+        logger.info("engine replica %s: prefix cache reset (%s)", self.replica_id, "done" if ok else "refused")
+        return {"success": bool(ok)}
+
     async def record_routing_stats(self) -> dict[str, Any]:
         """Load, readiness and relay endpoints for the request routers (polled by Serve).
 

@@ -385,6 +385,19 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         return self.state.readiness([r.replica_id.unique_id for r in replicas], warmed, self.reader.alive(),
                                     self.init_error)
 
+    def replica_ids(self) -> list[str]:
+        """The engine replicas Serve lists now (their ids)."""
+        return [r.replica_id.unique_id for r in list(self.curr_replicas.values())]
+
+    def replica_loads(self) -> dict[str, int]:
+        """``{replica id: requests running and waiting}`` as each engine last reported (its routing stats)."""
+        loads = {}
+        for r in list(self.curr_replicas.values()):
+            stats = r.routing_stats or {}
+            loads[r.replica_id.unique_id] = int(stats.get(stats_keys.STAT_NUM_RUNNING, 0)) + int(
+                stats.get(stats_keys.STAT_NUM_WAITING, 0))
+        return loads
+
     def engine_metrics_targets(self) -> dict[str, str]:
         """``{replica id: host:port}`` of each engine replica's Prometheus endpoint."""
         return {r.replica_id.unique_id: target for r in list(self.curr_replicas.values())

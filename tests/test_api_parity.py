@@ -65,7 +65,9 @@ def servers(tmp_path_factory):
 
     tiny_lora.build(REPO / "models" / "tiny-qwen2-lora", REPO / "models" / "tiny-qwen2")  # no-op when built
     log = open(tmp_path_factory.mktemp("vllm") / "server.log", "w")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # vLLM keeps Responses only with its store on (the app's is on by default); its reset route is a dev route.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+           "VLLM_SERVER_DEV_MODE": "1"}
     proc = subprocess.Popen(vllm_server_command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     try:
         app = start_app(APP_OVERRIDES, name="prefix-serve")
@@ -391,3 +393,155 @@ def test_vllm_benchmark_client_completes_against_the_app(servers, tmp_path):
     result = main(args)
     assert result["completed"] == 20
     assert result["failed"] == 0
+
+
+# ------------------------------------------------------------------ the Responses API
+
+RESP = "/v1/responses"
+
+
+def resp(input: Any = LONG_TEXT, **kw) -> dict[str, Any]:
+    return {"model": MODEL, "input": input, "max_output_tokens": 6, "temperature": 0, **kw}
+
+
+def response_shape(r: dict[str, Any]) -> dict[str, Any]:
+    """What two Responses answers must share: status, output items' kinds and text, usage counts."""
+    items = [(o["type"], o.get("role"), o.get("status"),
+              [(c["type"], c.get("text")) for c in o.get("content") or []], o.get("name")) for o in r["output"]]
+    usage = r["usage"]
+    return {"object": r["object"], "status": r["status"], "incomplete": r.get("incomplete_details"),
+            "items": items, "usage": {k: usage[k] for k in ("input_tokens", "output_tokens", "total_tokens")},
+            "previous_response_id_set": r.get("previous_response_id") is not None, "store": r.get("store")}
+
+
+def event_shape(events: list[Any]) -> tuple[list[str], str, dict[str, Any]]:
+    """A Responses stream: its event types in order, the text of its deltas, the final response's shape."""
+    kinds = [e["type"] for e in events]
+    text = "".join(e.get("delta", "") for e in events if e["type"] == "response.output_text.delta")
+    return kinds, text, response_shape(events[-1]["response"])
+
+
+def both(servers, method: str, path: str, body: dict[str, Any] | None = None) -> list[tuple[int, Any]]:
+    out = []
+    for base in servers:
+        if method == "GET":
+            r = httpx.get(f"{base}{path}", timeout=120)
+            out.append((r.status_code, r.json()))
+        else:
+            out.append(_post(base, path, body or {}))
+    return out
+
+
+def test_responses_answer_as_vllms_server_does(servers):
+    """Unary, streamed and with a function tool: the same status, items, greedy text and counts."""
+    (sa, a), (sv, v) = both(servers, "POST", RESP, resp())
+    assert sa == sv == 200, (a, v)
+    assert response_shape(a) == response_shape(v)
+    assert a["id"].startswith("resp_") and a["output"][0]["content"][0]["text"]
+    (sa, a), (sv, v) = both(servers, "POST", RESP, resp(stream=True))
+    assert sa == sv == 200
+    assert event_shape(a) == event_shape(v)
+    assert a[0]["type"] == "response.created" and a[-1]["type"] == "response.completed"
+    tool = {"type": "function", "name": "get_weather", "description": "Weather of a city",
+            "parameters": WEATHER_TOOL["function"]["parameters"]}
+    (sa, a), (sv, v) = both(servers, "POST", RESP, resp("What is the weather in Paris?", tools=[tool],
+                                                        max_output_tokens=24))
+    assert sa == sv == 200
+    assert response_shape(a) == response_shape(v) and a["tools"] == v["tools"]
+
+
+def test_stored_responses_chain_retrieve_and_cancel_as_vllms_server_does(servers):
+    """store + previous_response_id over three turns, retrieve, the sync-cancel refusal and unknown ids."""
+    ids: list[str | None] = [None, None]
+    inputs = []
+    for turn in ("My name is Ada. " + LONG_TEXT, "What is my name?", "Say it again."):
+        answers = [_post(base, RESP, resp(turn, store=True, previous_response_id=ids[i]))
+                   for i, base in enumerate(servers)]
+        (sa, a), (sv, v) = answers
+        assert sa == sv == 200, answers
+        assert response_shape(a) == response_shape(v)
+        ids = [a["id"], v["id"]]
+        inputs.append(a["usage"]["input_tokens"])
+    # Each chained prompt holds every earlier turn, answers included: it grows past the last one's.
+    assert inputs[0] > 60 and inputs[2] > inputs[1] > inputs[0] + 6
+    got = [httpx.get(f"{base}{RESP}/{ids[i]}", timeout=60) for i, base in enumerate(servers)]
+    assert [g.status_code for g in got] == [200, 200]
+    assert response_shape(got[0].json()) == response_shape(got[1].json()) == response_shape(a)
+    cancel = [httpx.post(f"{base}{RESP}/{ids[i]}/cancel", timeout=60) for i, base in enumerate(servers)]
+    assert [c.status_code for c in cancel] == [400, 400]
+    assert cancel[0].json() == cancel[1].json()  # "Cannot cancel a synchronous response."
+    for path in (f"{RESP}/resp_unknown", f"{RESP}/resp_unknown.abcd1234"):
+        (sa, a), (sv, v) = both(servers, "GET", path)
+        assert sa == sv == 404 and a["error"]["type"] == v["error"]["type"] == "invalid_request_error"
+        assert "not found" in a["error"]["message"] and "not found" in v["error"]["message"]
+    # A background response is stored at once (queued) and can be cancelled while it runs.
+    (sa, a), (sv, v) = both(servers, "POST", RESP, resp(background=True, store=True, max_output_tokens=2000))
+    assert sa == sv == 200 and a["status"] == v["status"] == "queued", (a, v)
+    cancel = [httpx.post(f"{base}{RESP}/{x['id']}/cancel", timeout=60) for base, x in zip(servers, (a, v), strict=True)]
+    assert [c.status_code for c in cancel] == [200, 200], [c.text for c in cancel]
+    assert cancel[0].json()["status"] == cancel[1].json()["status"] == "cancelled"
+    (sa, a), (sv, v) = both(servers, "POST", RESP, resp("next", previous_response_id="resp_unknown"))
+    assert sa == sv == 404 and a == v
+    (sa, a), (sv, v) = both(servers, "POST", RESP, resp("x", model="no-such-model"))
+    assert sa == sv == 404 and a["error"]["message"] == v["error"]["message"]
+    (sa, a), (sv, v) = both(servers, "POST", RESP, {"model": MODEL})  # no input
+    assert sa == sv == 400
+
+
+# ------------------------------------------------------------------ Anthropic's Messages API
+
+MSGS = "/v1/messages"
+
+
+def msgs(content: str = LONG_TEXT, **kw) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": content}], **kw}
+
+
+def message_shape(m: dict[str, Any]) -> dict[str, Any]:
+    return {"type": m["type"], "role": m["role"], "stop_reason": m["stop_reason"],
+            "content": [(c["type"], c.get("text"), c.get("name")) for c in m["content"]],
+            "usage": {k: m["usage"][k] for k in ("input_tokens", "output_tokens")}}
+
+
+def test_messages_answer_as_vllms_server_does(servers):
+    """Unary, streamed, with a tool and a system prompt, and count_tokens: the same answers."""
+    (sa, a), (sv, v) = both(servers, "POST", MSGS, msgs(system="Be brief."))
+    assert sa == sv == 200, (a, v)
+    assert message_shape(a) == message_shape(v) and a["content"][0]["text"]
+    (sa, a), (sv, v) = both(servers, "POST", MSGS, msgs(stream=True))
+    assert sa == sv == 200
+    kinds = [e["type"] for e in a]
+    assert kinds == [e["type"] for e in v] and kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    text = ["".join(e["delta"].get("text", "") for e in x if e["type"] == "content_block_delta") for x in (a, v)]
+    assert text[0] == text[1] and text[0]
+    tool = {"name": "get_weather", "description": "Weather of a city",
+            "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    (sa, a), (sv, v) = both(servers, "POST", MSGS, msgs("What is the weather in Paris?", tools=[tool], max_tokens=24))
+    assert sa == sv == 200 and message_shape(a) == message_shape(v)
+    count = {"model": MODEL, "messages": [{"role": "user", "content": LONG_TEXT}], "system": "Be brief."}
+    (sa, a), (sv, v) = both(servers, "POST", f"{MSGS}/count_tokens", count)
+    assert sa == sv == 200 and a == v and a["input_tokens"] > 60
+
+
+def test_messages_errors_as_vllms_server_does(servers):
+    """An unknown model (Anthropic's error shape, 404) and a body without max_tokens (400)."""
+    (sa, a), (sv, v) = both(servers, "POST", MSGS, msgs(model="no-such-model"))
+    assert sa == sv == 404 and a == v and a["type"] == "error"
+    body = msgs()
+    del body["max_tokens"]
+    (sa, a), (sv, v) = both(servers, "POST", MSGS, body)
+    assert sa == sv == 400
+
+
+def test_reset_prefix_cache_as_vllms_server_does(servers):
+    """vLLM's reset answers ``{"success": true}``; the app's says so for every engine replica, and a
+    repeated prompt is computed again from scratch on both."""
+    for base in servers:
+        for _ in range(2):
+            status, out = _post(base, CMPL, cmpl(max_tokens=1))
+        assert status == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    (sa, a), (sv, v) = both(servers, "POST", "/reset_prefix_cache")
+    assert sa == sv == 200 and a["success"] is v["success"] is True and len(a["replicas"]) == 1
+    for base in servers:
+        status, out = _post(base, CMPL, cmpl(max_tokens=1))
+        assert status == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

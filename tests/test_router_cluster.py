@@ -251,6 +251,72 @@ WARM: list[list[int]] = []  # 1,024-token prefixes, warmed by the restart test
 HOLDERS: list[str] = []  # the engine replica that computed each
 
 
+STORED: dict[str, str] = {}  # response id -> the replica that stored it (the scale-down case reads it)
+
+
+def respond(app, text: str, previous: str | None = None, salt: str | None = None) -> dict:
+    body = {"model": app.model, "input": text, "max_output_tokens": 4, "temperature": 0, "store": True,
+            "previous_response_id": previous, "cache_salt": salt}
+    r = httpx.post(f"{app.base_url}/v1/responses", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_chained_responses_reach_the_replica_that_stored_them(app):
+    """Issue 26: 20 conversations of 4 chained Responses turns each all succeed, and every follow-up
+    (previous_response_id) reaches the replica that stored its parent, as its decision record says."""
+
+    def conversation(i: int) -> list[tuple[str, str, str | None]]:
+        turns, previous = [], None
+        for t in range(4):
+            text = " ".join(f"w{(i * 7919 + t * 104729 + k) % 5000}" for k in range(40 if t == 0 else 6))
+            out = respond(app, text, previous, salt=f"conversation-{i}")  # no blocks shared across them
+            d = decision(app, out["id"])
+            turns.append((out["id"], d["replica_id"], previous))
+            assert d["reason"] == ("home" if previous else d["reason"])
+            previous = out["id"]
+        return turns
+
+    with ThreadPoolExecutor(4) as pool:
+        conversations = list(pool.map(conversation, range(20)))
+    turns = [t for c in conversations for t in c]
+    assert len(turns) == 80
+    home = {rid: replica for rid, replica, _ in turns}
+    for rid, replica, previous in turns:
+        assert rid.endswith(f".{replica}")  # the id names the replica that stored it
+        if previous is not None:
+            assert replica == home[previous], (rid, previous)
+    assert len(set(home.values())) == 2  # salted apart, the first turns spread over both replicas
+    STORED.update(home)
+    print(f"80 turns; first turns stored on {sorted(set(home[c[0][0]] for c in conversations))}")
+
+
+def test_reset_prefix_cache_clears_every_engine_and_every_index(app):
+    """Issue 26: after POST /reset_prefix_cache every engine replica answers a warm prompt with 0 cached
+    tokens, and the router's index holds no block of either replica."""
+    warm = [tokens(7000 + i, 256) for i in range(6)]
+    for prompt in warm:
+        complete(app, prompt)
+        assert complete(app, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 256 - BLOCK
+    deadline = time.monotonic() + 10
+    while sum(routing(app)["replica_blocks"].values()) == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sum(routing(app)["replica_blocks"].values()) > 0
+    r = httpx.post(f"{app.base_url}/reset_prefix_cache", timeout=120)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["success"] is True and sorted(answer["replicas"]) == sorted(routing(app)["subscribed"])
+    deadline = time.monotonic() + 10  # AllBlocksCleared reaches the router through each relay
+    while any(routing(app)["replica_blocks"].values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(routing(app)["replica_blocks"].values()), routing(app)["replica_blocks"]
+    for prompt in warm:
+        assert complete(app, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    load = httpx.get(f"{app.base_url}/load", timeout=30).json()
+    assert sorted(load["replicas"]) == sorted(routing(app)["subscribed"])
+    assert load["server_load"] == sum(load["replicas"].values())
+
+
 def test_restarted_ingress_sends_every_prefix_back_to_its_holder(app):
     """Issue 13: an ingress replica that starts after the engines learns what they hold
     from their relays' snapshots (before: 2 of 4 prefixes were computed from scratch)."""
@@ -322,3 +388,19 @@ def test_scale_down_drains_in_flight_streams(app):
         time.sleep(1)
     assert len(routing(app)["subscribed"]) == 1
     print(f"drained streams on {len(on)} replica(s)")
+    # Issue 26: a stored response whose replica is gone is vLLM's 404, not a hang or a 500; the others
+    # still chain at home.
+    (left,) = routing(app)["subscribed"]
+    gone = [rid for rid, replica in STORED.items() if replica != left][:4]
+    kept = [rid for rid, replica in STORED.items() if replica == left][:4]
+    assert gone and kept
+    for rid in gone + kept:
+        replica = STORED[rid]
+        r = httpx.post(f"{app.base_url}/v1/responses", timeout=120, json={
+            "model": app.model, "input": "and then?", "max_output_tokens": 2, "previous_response_id": rid})
+        got = httpx.get(f"{app.base_url}/v1/responses/{rid}", timeout=60)
+        if replica == left:
+            assert r.status_code == got.status_code == 200, (r.text, got.text)
+        else:
+            assert r.status_code == got.status_code == 404, (r.text, got.text)
+            assert r.json()["error"]["message"] == f"Response with id '{rid}' not found."

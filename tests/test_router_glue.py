@@ -321,3 +321,29 @@ async def test_a_result_already_done_settles_its_record_after_the_routing_bookke
     assert "i-1" in router.state.requests  # settled on the loop's next turn, not inside the call
     await asyncio.sleep(0)
     assert router.state.requests == {}
+
+
+@on_loop
+async def test_a_request_naming_a_stored_response_goes_home_while_home_runs(routers):
+    """Issue 26: a request with ``home_replica`` (a stored response's replica) is ranked ``[[home]]``
+    alone, even where the prompt's blocks would score another replica, and recorded as ``home``;
+    once home is gone it is routed as any other (the replica it reaches answers vLLM's 404)."""
+    from app import metrics
+
+    router = routers(block_size=32)
+    candidates = [replica("a"), replica("b"), replica("c")]
+    request = engine_request(96)
+    request.home_replica = "b"
+    ranked = await router.choose_replicas(candidates, pending(request, "i-home"))
+    assert [[r.replica_id.unique_id for r in rank] for rank in ranked] == [["b"]]
+    record = router.state.requests["i-home"]
+    assert record.fallback == "home" and record.decision is None
+    routed = router.state.routed("i-home", "b", 0.0)
+    assert routed.reason == "home"
+    gone_before = metrics.FALLBACKS.labels(cause="home_gone")._value.get()
+    request = engine_request(96)
+    request.home_replica = "zz"  # not a running replica
+    ranked = await router.choose_replicas(candidates, pending(request, "i-gone"))
+    assert sorted(r.replica_id.unique_id for rank in ranked for r in rank) == ["a", "b", "c"]
+    assert router.state.requests["i-gone"].decision is not None  # scored as any request
+    assert metrics.FALLBACKS.labels(cause="home_gone")._value.get() == gone_before + 1
