@@ -8,6 +8,8 @@ engine deployment's handle), ``self.serving`` (``app.serving.OpenAIServing``),
 - ``GET /health``: liveness (this ingress replica is up; the engines may still be loading);
   ``GET|POST /ping`` the same, as vLLM answers it; ``GET /version``: vLLM's version.
 - ``GET /ready``: readiness (no API key); see ``ready``.
+- ``POST /v1/load_lora_adapter``, ``/v1/unload_lora_adapter``: vLLM's runtime adapter routes, on
+  every engine replica (``app.adapters``);
 - ``GET /load``: vLLM's server load, per engine replica and in sum; ``POST /reset_prefix_cache``:
   vLLM's reset, on every engine replica (``app.broadcast``).
 - ``GET /debug/routing``, ``GET /debug/routing/decisions/{id}``: the routers' state and
@@ -115,6 +117,60 @@ class AdminRoutes:
             "reset_running_requests": reset_running_requests, "reset_external": reset_external})
         ok = bool(answers) and all(a.get("success") is True for a in answers.values())
         return {"success": ok, "replicas": answers}
+
+    @fastapi_app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's runtime adapter load (``{"lora_name", "lora_path", "load_inplace"}``), on every engine
+        replica and on every one started later (``app.adapters``): vLLM's ``Success: ...`` text, or the
+        replicas' error. 404 unless ``serving.allow_runtime_lora_updating`` (vLLM: no such route)."""
+        return await self._lora_adapter("load", request)
+
+    @fastapi_app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's runtime adapter unload (``{"lora_name"}``), from every engine replica."""
+        return await self._lora_adapter("unload", request)
+
+    async def _lora_adapter(self, op: str, request: Request) -> Response:
+        from pydantic import ValidationError
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+        from app import adapters
+        from app.broadcast import to_every_replica
+        from app.prepare import decode, validation_error
+
+        if not self.args.serving.allow_runtime_lora_updating:
+            raise OpenAIError(f"Not Found: no route POST {request.url.path} (runtime LoRA updating is off: "
+                              "serving.allow_runtime_lora_updating)", 404, "NotFoundError")
+        raw = await read_body(request, self.args.max_request_body_bytes)
+        try:
+            body = (LoadLoRAAdapterRequest if op == "load" else UnloadLoRAAdapterRequest).model_validate(decode(raw))
+        except ValidationError as e:
+            return json_response(validation_error(e))
+        app_name = self.serving.app_name
+        book = adapters.book(app_name, create=True)
+        earlier = (await book.all.remote()).get(body.lora_name)
+        path = getattr(body, "lora_path", None)
+        if op == "load":
+            await book.add.remote(body.lora_name, path)  # first: a replica starting now loads it too
+        else:
+            await book.remove.remote(body.lora_name)
+        answers = await to_every_replica(self.engine, "lora_adapter", (op, body))
+        done = [a["ok"] for a in answers.values() if "ok" in a]
+        errors = {uid: a.get("error") or {"error": {"message": str(a), "type": "InternalServerError", "code": 500}}
+                  for uid, a in answers.items() if "ok" not in a}
+        if op == "load" and not done and earlier != path:  # loaded nowhere: forget it again
+            await (book.add.remote(body.lora_name, earlier) if earlier is not None else book.remove.remote(
+                body.lora_name))
+        if not answers:
+            raise OpenAIError("no engine replica is running", 503, "ServiceUnavailableError")
+        if not errors:
+            return Response(done[0], status_code=200)
+        uid, first = next(iter(errors.items()))
+        if not done:  # every replica refused alike (a bad path, a duplicate name): vLLM's own answer
+            return JSONResponse(first, status_code=int(first["error"]["code"]))
+        message = (f"{op}ed on {len(done)} of {len(answers)} engine replicas; replica {uid}: "
+                   f"{first['error']['message']}")
+        return JSONResponse(error_body(message, 500), status_code=500)
 
     @fastapi_app.get("/ready")
     async def ready(self):

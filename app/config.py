@@ -384,6 +384,9 @@ class ServingConfig(_Strict):
     lora_modules: list[LoRAModule] = Field(default_factory=list, description="--lora-modules; non-empty turns LoRA on")
     max_lora_rank: int = Field(16, ge=1, description="--max-lora-rank")
     max_loras: int = Field(1, ge=1, description="--max-loras: adapters batched together per step")
+    allow_runtime_lora_updating: bool = Field(
+        False, description="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: "
+                           "VLLM_ALLOW_RUNTIME_LORA_UPDATING); turns LoRA on. Loads any path the engines can read")
     responses_store: ResponsesStoreConfig = Field(default_factory=ResponsesStoreConfig)
 
     @model_validator(mode="after")

@@ -35,7 +35,7 @@ from typing import Any
 
 from ray import serve
 
-from app import metrics_server, node_address, tracing
+from app import adapters, metrics_server, node_address, tracing
 from app import probe as request_probe
 from app.config import AppArgs
 from app.home import home_id
@@ -156,6 +156,9 @@ class VLLMEngine:
         self.num_gpu_blocks = int(self.engine.vllm_config.cache_config.num_gpu_blocks or 0) or None
         # Configured adapters are loaded before this replica serves its first request.
         self.configured_adapters = frozenset(m.name for m in cfg.serving.lora_modules)
+        self.allow_runtime_lora = cfg.serving.allow_runtime_lora_updating
+        self._book_loaded: set[str] = set()  # adapters the warm-up loaded from app.adapters' book
+        self.app_name = ctx.app_name
         self.host_tier: dict[str, Any] = {}
         if cfg.engine.kv_offloading_size is not None:
             per_token = kv_bytes_per_token(self.engine.vllm_config)
@@ -206,8 +209,51 @@ class VLLMEngine:
             async for _ in self.engine.generate(prompt, SamplingParams(max_tokens=1), f"warmup-{uuid.uuid4().hex}"):
                 pass
             await self.frontend.load_adapters()
+            await self._load_runtime_adapters()
             self._warmed = True
             logger.info("engine replica %s warmed up", self.replica_id)
+
+    async def _load_runtime_adapters(self) -> None:
+        """Load the adapters loaded at run time before this replica started (``app.adapters``): a
+        replica Serve adds later serves them too. One that fails to load is logged and left out."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+        if not self.allow_runtime_lora:
+            return
+        for name, path in (await adapters.loaded(self.app_name)).items():
+            if name in self.frontend.models.lora_requests:
+                continue
+            answer = await self.frontend.models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=name,
+                                                                                         lora_path=path))
+            self._book_loaded.add(name)
+            if isinstance(answer, ErrorResponse):
+                logger.error("engine replica %s: adapter %s (%s) loaded at run time does not load here: %s",
+                             self.replica_id, name, path, answer.error.message)
+            else:
+                logger.info("engine replica %s: %s", self.replica_id, answer)
+
+    async def lora_adapter(self, request: EngineRequest) -> dict[str, Any]:
+        """Load or unload an adapter on this replica, if it is the one ``request.home_replica`` names
+        (``app.broadcast``): ``request.body`` is ``("load", vLLM's LoadLoRAAdapterRequest)`` or ``("unload",
+        UnloadLoRAAdapterRequest)``. Answers ``{"ok": vLLM's message}`` or ``{"error": vLLM's ErrorResponse}``."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        if request.home_replica != self.replica_id:
+            return {"misrouted": True}
+        if not self._warmed:
+            await self._warm_up()
+        op, body = request.body
+        models = self.frontend.models
+        held = models.lora_requests.get(body.lora_name)
+        if op == "load" and body.lora_name in self._book_loaded and held is not None and \
+                held.lora_path == body.lora_path:  # this replica's warm-up loaded it from the book just now
+            return {"ok": f"Success: LoRA adapter '{body.lora_name}' added successfully."}  # vLLM's words
+        self._book_loaded.discard(body.lora_name)
+        answer = await (models.load_lora_adapter(body) if op == "load" else models.unload_lora_adapter(body))
+        if isinstance(answer, ErrorResponse):
+            return {"error": answer.model_dump()}
+        return {"ok": answer}
 
     async def _follow_hit_group(self) -> None:
         """Have the relay follow the KV-cache group that decides a prefix hit, before any request
@@ -390,8 +436,24 @@ class VLLMEngine:
         body = request.body or {}
         ok = await self.engine.reset_prefix_cache(bool(body.get("reset_running_requests")),
                                                   bool(body.get("reset_external")))
+        if ok:
+            await self._step_engine()
         logger.info("engine replica %s: prefix cache reset (%s)", self.replica_id, "done" if ok else "refused")
         return {"success": bool(ok)}
+
+    async def _step_engine(self) -> None:
+        """Make the engine take one step, so it publishes the KV events it holds: vLLM's scheduler
+        publishes them only at the end of a step (``update_from_output``), so an idle engine's
+        ``AllBlocksCleared`` would wait for its next request, and routers would price blocks it no
+        longer holds until then. One request of ``block_size - 1`` tokens under a random salt: no
+        full block, so it stores nothing a router could index."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import SamplingParams
+
+        prompt = TokensPrompt(prompt_token_ids=[1 + i % 100 for i in range(max(1, self.block_size - 1))],
+                              cache_salt=f"prefix-serve-step-{uuid.uuid4().hex}")
+        async for _ in self.engine.generate(prompt, SamplingParams(max_tokens=1), f"step-{uuid.uuid4().hex}"):
+            pass
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Load, readiness and relay endpoints for the request routers (polled by Serve).

@@ -49,7 +49,7 @@ def engine_args(cfg: AppArgs, kv_events_topic: str | None = None, otlp_traces_en
     serving = cfg.serving
     tp = engine.tensor_parallel_size
     lora: dict[str, Any] = {}
-    if serving.lora_modules:
+    if serving.lora_modules or serving.allow_runtime_lora_updating:
         lora = dict(enable_lora=True, max_lora_rank=serving.max_lora_rank, max_loras=serving.max_loras)
     events = None
     if kv_events_topic is not None:

@@ -69,12 +69,12 @@ class OpenAIIngress(AdminRoutes):
 
         self.args = AppArgs.model_validate(args)
         self.engine = engine
-        self.serving = OpenAIServing(self.args, engine, Renderer(self.args))
+        ctx = serve.get_replica_context()
+        self.serving = OpenAIServing(self.args, engine, Renderer(self.args), ctx.app_name)
         tracing.setup_tracing(self.args.tracing, "ingress")
         auth.configure(self.args.api_key_env, PUBLIC_PATHS | (METRICS_PATHS if self.args.metrics_public else set()))
         # This replica's own Prometheus endpoint, on its node's Ray IP (app.node_address: the
         # rule the engines follow too), announced for /metrics/ingresses.
-        ctx = serve.get_replica_context()
         self.announcer = Announcer(ctx.app_name, ctx.replica_id.unique_id,
                                    metrics_server.start(node_address.resolve(),
                                                         before_scrape=metrics.refresh_router_gauges))

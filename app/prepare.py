@@ -10,7 +10,8 @@ the error vLLM's server would give:
 2. it is not too large in items to validate without stalling the ingress
    (``MAX_MESSAGE_ITEMS``; a token-id prompt past ``max_model_len``, refused in vLLM's words);
 3. vLLM's request model validates it (``ChatCompletionRequest`` / ``CompletionRequest``);
-4. the model is the served model or a configured LoRA adapter (vLLM's model registry);
+4. the model is the served model or a LoRA adapter: configured (vLLM's model registry) or
+   loaded at run time (``app.adapters``);
 5. vLLM's renderer renders and tokenizes it, with the engines' chat template, tokenizer
    and tool parser (the same ids the engine would make), and vLLM checks the ids.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 from array import array
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from app import tracing
@@ -52,9 +54,13 @@ _SERVER_SIDE = (TimeoutError, MemoryError, NotImplementedError, RuntimeError)
 class Preparer:
     """Prepares requests with the ingress's copy of vLLM's renderer (``app.frontend.Renderer``)."""
 
-    def __init__(self, args: AppArgs, renderer: Any):
+    def __init__(self, args: AppArgs, renderer: Any,
+                 runtime_adapters: Callable[[], Awaitable[dict[str, str]]] | None = None):
         self.args = args
         self.renderer = renderer
+        self.runtime_adapters = runtime_adapters
+        """``{name: path}`` of the adapters loaded at run time (``app.adapters``), asked only for a
+        ``model`` that is neither the served model nor a configured adapter."""
         self._effort: str | None = None
 
     async def prepare(self, kind: str, body: Any, stream: bool | None = None,
@@ -73,7 +79,7 @@ class Preparer:
             if request_id is not None and "request_id" not in req.model_fields_set:
                 req.request_id = request_id
             stage = "model"
-            self.check_model(req.model)
+            lora = await self.resolve_model(req.model)
             stage = "render"
             with tracing.tracer().start_as_current_span("prefix_serve.tokenize") as span:
                 prompts = await self.render(kind, req)
@@ -81,7 +87,7 @@ class Preparer:
             stage = "ids"
             for p in prompts:  # vLLM's own check; ids past 32 bits never reach array('I')
                 self.renderer.online.renderer.validate_token_ids(p, parameter="prompt")
-            return self.engine_request(kind, req, prompts)
+            return self.engine_request(kind, req, prompts, lora)
         except Exception as e:  # noqa: BLE001 - the preparation's boundary: every error mapped once, as vLLM's
             return refusal(e, stage, "messages" if kind == CHAT else "prompt")
 
@@ -101,7 +107,7 @@ class Preparer:
             if stream is not None:
                 req.stream = stream
             stage = "model"
-            self.check_model(req.model)
+            lora = await self.resolve_model(req.model)
             stage = "render"
             prompts: list[list[int]] = [[]]
             if req.previous_response_id is None:
@@ -111,7 +117,7 @@ class Preparer:
                         return answer
                     prompts = [list(answer.response.engine_input.get("prompt_token_ids") or ())]
                     span.set_attribute("gen_ai.usage.input_tokens", len(prompts[0]))
-            return self.engine_request(RESPONSES, req, prompts)
+            return self.engine_request(RESPONSES, req, prompts, lora)
         except Exception as e:  # noqa: BLE001 - the preparation's boundary: every error mapped once, as vLLM's
             return refusal(e, stage, "input")
 
@@ -136,7 +142,7 @@ class Preparer:
             if stream is not None:
                 req.stream = stream
             stage = "model"
-            self.check_model(req.model)
+            await self.resolve_model(req.model)
             stage = "render"
             effort: Any = "none"
             if req.thinking is not None and req.thinking.type == "disabled":
@@ -194,11 +200,16 @@ class Preparer:
         check_size(kind, body, self.args.engine.max_model_len)
         return model_cls.model_validate(body)
 
-    def check_model(self, model: str | None) -> None:
-        """Raises ``OpenAIError`` 404 unless ``model`` is the served model (or unset) or a configured adapter."""
+    async def resolve_model(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names (None: the served model, or unset); raises ``OpenAIError``
+        404 unless it is the served model, a configured adapter or one loaded at run time."""
         registry = self.renderer.registry
-        if model in registry.lora_requests or not model or registry.is_base_model(model):
-            return
+        if not model or registry.is_base_model(model):
+            return None
+        if model in registry.lora_requests:
+            return model
+        if self.runtime_adapters is not None and model in await self.runtime_adapters():
+            return model
         names = ", ".join(m.name for m in registry.base_model_paths)
         raise OpenAIError(f"The model `{model}` does not exist. Valid aliases: {names}.", 404,  # vLLM's words
                           "NotFoundError", "model")
@@ -223,10 +234,9 @@ class Preparer:
         inputs = answer.response[1] if kind == CHAT else answer.response
         return [list(i.get("prompt_token_ids") or ()) for i in inputs]
 
-    def engine_request(self, kind: str, req: Any, prompts: list[list[int]]) -> EngineRequest:
+    def engine_request(self, kind: str, req: Any, prompts: list[list[int]], lora: str | None = None) -> EngineRequest:
         """The ``EngineRequest`` of a rendered request: the ids once, as arrays, out of the body."""
         ids = prompts[0] if prompts else []
-        lora = req.model if req.model in self.renderer.registry.lora_requests else None
         if kind == RESPONSES:  # vLLM's Responses serving renders its own prompt: the ids are for routing
             return EngineRequest(
                 request_id=req.request_id, prompt_token_ids=array("I", ids), body=req, cache_salt=req.cache_salt,

@@ -28,7 +28,7 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
-from app import tracing
+from app import adapters, tracing
 from app.config import AppArgs
 from app.dispatch import Dispatcher
 from app.errors import error_body
@@ -68,12 +68,15 @@ class OpenAIServing:
         args: the validated app args.
         engine: the engine deployment's handle.
         renderer: the ingress's copy of vLLM's renderer (``app.frontend.Renderer``).
+        app_name: the Serve app's name (its record of adapters loaded at run time: ``app.adapters``).
     """
 
-    def __init__(self, args: AppArgs, engine: DeploymentHandle, renderer: Any):
+    def __init__(self, args: AppArgs, engine: DeploymentHandle, renderer: Any, app_name: str = "prefix-serve"):
         self.args = args
         self.renderer = renderer
-        self.preparer = Preparer(args, renderer)
+        self.app_name = app_name
+        runtime = (lambda: adapters.loaded(app_name)) if args.serving.allow_runtime_lora_updating else None
+        self.preparer = Preparer(args, renderer, runtime)
         self.dispatcher = Dispatcher(engine, args.lifecycle.request_timeout_s)
         self.worker = WorkerLoop()  # parsing, validation and rendering of large bodies run here
 
@@ -184,15 +187,17 @@ class OpenAIServing:
         return await (answer() if len(raw) <= INLINE_BODY_BYTES else self.worker.run(answer()))
 
     async def models(self) -> Any:
-        """vLLM's ``ModelList``: the served model, then the configured LoRA adapters."""
+        """vLLM's ``ModelList``: the served model, then the configured LoRA adapters and those loaded at run time."""
         from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelPermission
 
         registry = self.renderer.registry
         listing = await registry.show_available_models()
+        paths = {lora.lora_name: lora.lora_path for lora in registry.lora_requests.values()}
+        if self.args.serving.allow_runtime_lora_updating:
+            paths.update(await adapters.loaded(self.app_name))
         listing.data.extend(
-            ModelCard(id=lora.lora_name, root=lora.lora_path, parent=self.args.served_model_name,
-                      permission=[ModelPermission()])
-            for lora in registry.lora_requests.values())
+            ModelCard(id=name, root=path, parent=self.args.served_model_name, permission=[ModelPermission()])
+            for name, path in paths.items())
         return listing
 
     def close(self) -> None:
