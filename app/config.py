@@ -362,8 +362,14 @@ class ResponsesStoreConfig(_Strict):
     ttl_s: float = Field(3600.0, gt=0.0, description="seconds a stored response is kept after it was last written")
 
 
+ENV_FIELDS = {"allow_runtime_lora_updating": "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+              "responses_store": "VLLM_ENABLE_RESPONSES_API_STORE"}
+"""``ServingConfig`` fields that stand for an environment variable of vLLM's server, not a flag."""
+
+
 class ServingConfig(_Strict):
-    """vLLM's OpenAI serving settings; each field is the vLLM server flag of the same name.
+    """vLLM's OpenAI serving settings; each field is the vLLM server flag of the same name, except
+    ``ENV_FIELDS``, which stand for environment variables vLLM's server reads.
 
     Built into vLLM's own serving classes by ``app.frontend`` in the engine
     replicas, and into vLLM's renderer in the ingress, so both render a request

@@ -86,7 +86,7 @@ class Dispatcher:
         closes the connection as soon as it has ``[DONE]`` still counts."""
         started = time.perf_counter()
         previous: float | None = None
-        streaming = bool(ereq.body.stream)
+        streaming = bool(getattr(ereq.body, "stream", False))  # a batch chat has no stream field
         first_seen = ended = False
         try:
             async for item in self._attempts(kind, ereq, deadline):

@@ -122,7 +122,7 @@ class VLLMEngine:
         args: the app args (``app.config.AppArgs`` as a dict).
 
     Handle methods (call with ``.options(stream=True)``): ``chat(EngineRequest)``,
-    ``completions``, ``responses``, ``responses_retrieve``, ``responses_cancel`` and
+    ``chat_batch``, ``completions``, ``responses``, ``responses_retrieve``, ``responses_cancel`` and
     ``messages`` stream vLLM's answer (SSE strings, or one
     response model or ``ErrorResponse``), its first item after the engine's first
     output wrapped in ``FirstOutput``, its last in ``EngineSummary`` and vLLM's error
@@ -297,6 +297,11 @@ class VLLMEngine:
     async def completions(self, request: EngineRequest) -> AsyncIterator[Any]:
         """Answer a text completion with vLLM's ``OpenAIServingCompletion`` (see class doc)."""
         async for item in self._serve(request, self.frontend.completion.create_completion):
+            yield item
+
+    async def chat_batch(self, request: EngineRequest) -> AsyncIterator[Any]:
+        """Answer a batch of conversations with vLLM's ``OpenAIServingChatBatch`` (one choice each)."""
+        async for item in self._serve(request, self.frontend.chat_batch.create_batch_chat_completion):
             yield item
 
     async def responses(self, request: EngineRequest) -> AsyncIterator[Any]:

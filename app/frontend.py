@@ -13,7 +13,8 @@ requests or responses itself: it builds vLLM's classes from the same settings
   engine would make. It also serves ``/tokenize``, ``/detokenize`` and
   ``/v1/models`` with vLLM's ``ServingTokenization`` and model registry.
 - ``EngineFrontend(engine_client, cfg)``: what each engine replica runs per request:
-  vLLM's ``OpenAIServingChat``, ``OpenAIServingCompletion``, ``OpenAIServingResponses``
+  vLLM's ``OpenAIServingChat`` (and ``OpenAIServingChatBatch``), ``OpenAIServingCompletion``,
+  ``OpenAIServingResponses``
   (its store bounded: ``bound_responses_store``) and ``AnthropicServingMessages`` over
   the replica's ``AsyncLLM`` (chat, completions and messages with
   ``app.probe.StreamErrorsObserved``: a stream's error events are known as such), with
@@ -193,6 +194,7 @@ class EngineFrontend:
 
     def __init__(self, engine_client: Any, cfg: AppArgs):
         from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+        from vllm.entrypoints.openai.chat_completion.batch_serving import OpenAIServingChatBatch
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
         from vllm.entrypoints.openai.models.protocol import LoRAModulePath
@@ -227,6 +229,9 @@ class EngineFrontend:
             reasoning_parser=kwargs["reasoning_parser"], enable_auto_tools=s.enable_auto_tool_choice,
             tool_parser=s.tool_call_parser, default_chat_template_kwargs=kwargs["default_chat_template_kwargs"],
             **common)
+        self.chat_batch = OpenAIServingChatBatch(engine_client, self.models, s.response_role,
+                                                 trust_request_chat_template=kwargs["trust_request_chat_template"],
+                                                 **chat_like)
         self.responses = OpenAIServingResponses(engine_client, self.models, **chat_like)
         bound_responses_store(self.responses, s.responses_store)
         self.messages = _observed(AnthropicServingMessages)(engine_client, self.models, s.response_role,

@@ -50,12 +50,12 @@ from app.config import AppArgs
 from app.errors import quiet_client_errors
 from app.http_app import fastapi_app, read_body
 from app.ingress_targets import Announcer
-from app.prepare import CANCEL, CHAT, COMPLETION, MESSAGES, RESPONSES, RETRIEVE
+from app.prepare import CANCEL, CHAT, CHAT_BATCH, COMPLETION, MESSAGES, RESPONSES, RETRIEVE
 from app.serving import DIALECTS, OpenAIServing
 
-ROUTES = {CHAT: "/v1/chat/completions", COMPLETION: "/v1/completions", RESPONSES: "/v1/responses",
-          RETRIEVE: "/v1/responses/{response_id}", CANCEL: "/v1/responses/{response_id}/cancel",
-          MESSAGES: "/v1/messages"}
+ROUTES = {CHAT: "/v1/chat/completions", CHAT_BATCH: "/v1/chat/completions/batch", COMPLETION: "/v1/completions",
+          RESPONSES: "/v1/responses", RETRIEVE: "/v1/responses/{response_id}",
+          CANCEL: "/v1/responses/{response_id}/cancel", MESSAGES: "/v1/messages"}
 """The generate routes, by kind (also their ``route`` label in ``prefix_serve_requests_total``)."""
 
 
@@ -107,6 +107,11 @@ class OpenAIIngress(AdminRoutes):
     async def http_completions(self, request: Request) -> Response:
         """vLLM's text completion: JSON, or its SSE stream with ``stream: true``."""
         return await self._http(COMPLETION, request)
+
+    @fastapi_app.post("/v1/chat/completions/batch")
+    async def http_chat_batch(self, request: Request) -> Response:
+        """vLLM's batch chat: several conversations, one choice each (unary only, no tools, as vLLM's)."""
+        return await self._http(CHAT_BATCH, request)
 
     @fastapi_app.post("/v1/responses")
     async def http_responses(self, request: Request) -> Response:

@@ -38,6 +38,8 @@ CHAT, COMPLETION = "chat", "completions"
 """The two generate kinds of OpenAI's first API (also the engine deployment's method names)."""
 RESPONSES, MESSAGES = "responses", "messages"
 """The Responses API and Anthropic's Messages API (engine methods of the same names)."""
+CHAT_BATCH = "chat_batch"
+"""Several conversations in one chat request (``/v1/chat/completions/batch``; engine method of that name)."""
 RETRIEVE, CANCEL = "responses_retrieve", "responses_cancel"
 """A stored response read or cancelled (engine methods of the same names)."""
 ID_PREFIX = {CHAT: "chatcmpl", COMPLETION: "cmpl"}  # vLLM's response id prefixes
@@ -120,6 +122,29 @@ class Preparer:
             return self.engine_request(RESPONSES, req, prompts, lora)
         except Exception as e:  # noqa: BLE001 - the preparation's boundary: every error mapped once, as vLLM's
             return refusal(e, stage, "input")
+
+    async def prepare_chat_batch(self, body: Any) -> EngineRequest | Failed:
+        """A batch chat request (``POST /v1/chat/completions/batch``: a list of conversations, one answer
+        choice each) as an ``EngineRequest``, routed by its first conversation's block keys (as a
+        completion's list of prompts is) and counted with every conversation's prompt. Each conversation
+        is rendered as vLLM's ``OpenAIServingChatBatch`` renders it (``to_chat_completion_request``);
+        that class takes no pre-rendered ids, so the engine renders them again."""
+        stage = "body"
+        try:
+            req = self.request(CHAT_BATCH, body)
+            if getattr(req, "stream", None):  # an extra field vLLM's batch chat ignores: it answers whole
+                req.stream = False
+            stage = "model"
+            lora = await self.resolve_model(req.model)
+            stage = "render"
+            prompts = [(await self.render(CHAT, req.to_chat_completion_request(m)))[0] for m in req.messages]
+            ids = prompts[0]
+            return EngineRequest(
+                request_id=f"chatcmpl-{req.request_id}", prompt_token_ids=array("I", ids), body=req,
+                cache_salt=req.cache_salt, lora_name=lora, trace_headers=tracing.inject(),
+                block_size=self.args.engine.block_size, prefill_tokens=sum(len(p) for p in prompts))
+        except Exception as e:  # noqa: BLE001 - the preparation's boundary: every error mapped once, as vLLM's
+            return refusal(e, stage, "messages")
 
     async def prepare_messages(self, body: Any, stream: bool | None = None,
                                request_id: str | None = None) -> EngineRequest | Failed:
@@ -272,12 +297,13 @@ class Preparer:
 def _request_model(kind: str) -> Any:
     """vLLM's request model (a pydantic class) of a kind of request."""
     from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.chat_completion.protocol import BatchChatCompletionRequest, ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
     return {CHAT: ChatCompletionRequest, COMPLETION: CompletionRequest, RESPONSES: ResponsesRequest,
-            MESSAGES: AnthropicMessagesRequest}.get(kind, AnthropicCountTokensRequest)
+            MESSAGES: AnthropicMessagesRequest, CHAT_BATCH: BatchChatCompletionRequest}.get(
+        kind, AnthropicCountTokensRequest)
 
 
 def refusal(e: Exception, stage: str, field: str) -> Failed:

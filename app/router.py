@@ -407,8 +407,10 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         return self.state.decisions_for(request_id)
 
     def snapshot(self) -> dict[str, Any]:
-        """State for operators and tests: per-replica blocks, sync, in flight, counters, decision times."""
+        """State for operators and tests: per-replica blocks, sync, in flight, adapters, counters, decision times."""
         snap = self.state.debug_snapshot()
+        snap["replica_adapters"] = {r.replica_id.unique_id: list((r.routing_stats or {}).get(
+            stats_keys.STAT_LORA_ADAPTERS) or []) for r in list(self.curr_replicas.values())}
         snap.update(event_path_alive=self.reader.alive(), router_error=self.init_error,
                     router_replica_id=self.caller_replica_id, decision_us_last_60s=self.decision_summary(60.0))
         return snap

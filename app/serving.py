@@ -33,7 +33,7 @@ from app.config import AppArgs
 from app.dispatch import Dispatcher
 from app.errors import error_body
 from app.offload import WorkerLoop
-from app.prepare import CANCEL, CHAT, COMPLETION, MESSAGES, RESPONSES, RETRIEVE, Preparer, decode, refusal
+from app.prepare import CANCEL, CHAT, CHAT_BATCH, COMPLETION, MESSAGES, RESPONSES, RETRIEVE, Preparer, decode, refusal
 from app.protocol import EngineRequest
 from app.results import (
     ANTHROPIC,
@@ -54,9 +54,9 @@ logger = logging.getLogger("prefix_serve.ingress")
 INLINE_BODY_BYTES = 64 * 1024
 """HTTP bodies up to this size are parsed, validated and rendered on the serving loop
 (a few ms of CPU at most); larger ones, and handle callers' bodies, on the worker loop."""
-_SPAN_OPERATION = {CHAT: "chat", COMPLETION: "text_completion", RESPONSES: "chat", MESSAGES: "chat",
+_SPAN_OPERATION = {CHAT: "chat", CHAT_BATCH: "chat", COMPLETION: "text_completion", RESPONSES: "chat", MESSAGES: "chat",
                    RETRIEVE: "retrieve_response", CANCEL: "cancel_response"}
-DIALECTS: dict[str, Dialect] = {CHAT: OPENAI, COMPLETION: OPENAI, RESPONSES: RESPONSES_API,
+DIALECTS: dict[str, Dialect] = {CHAT: OPENAI, CHAT_BATCH: OPENAI, COMPLETION: OPENAI, RESPONSES: RESPONSES_API,
                                 RETRIEVE: RESPONSES_API, CANCEL: RESPONSES_API, MESSAGES: ANTHROPIC}
 """How each kind's answers are written (``app.results.Dialect``)."""
 
@@ -130,7 +130,7 @@ class OpenAIServing:
             if isinstance(prepared, Failed):
                 span.set_attribute("error.type", str(prepared.status))
                 return prepared
-            if prepared.body.stream:
+            if getattr(prepared.body, "stream", False):
                 ending.handover()  # the stream's events end the span
                 return Streamed(self._events(kind, prepared, span, deadline))
             return await self._whole(kind, prepared, span, deadline)
@@ -141,6 +141,8 @@ class OpenAIServing:
             work = self.preparer.prepare_responses(body, stream)
         elif kind == MESSAGES:
             work = self.preparer.prepare_messages(body, stream, request_id)
+        elif kind == CHAT_BATCH:
+            work = self.preparer.prepare_chat_batch(body)
         else:
             work = self.preparer.prepare(kind, body, stream, request_id)
         small = isinstance(body, (bytes, bytearray)) and len(body) <= INLINE_BODY_BYTES

@@ -35,7 +35,8 @@ LONG_TEXT = "The library opens at nine and closes at five on weekdays. " * 6
 ADAPTER = "tiny-lora"
 # serve_config.yaml, on one engine replica, with the tiny LoRA adapter (infra/tiny_lora.py).
 APP_OVERRIDES = {"engine_replicas": {"num_replicas": 1},
-                 "serving": {"lora_modules": [{"name": ADAPTER, "path": "models/tiny-qwen2-lora"}]}}
+                 "serving": {"lora_modules": [{"name": ADAPTER, "path": "models/tiny-qwen2-lora"}],
+                             "allow_runtime_lora_updating": True}}
 
 
 def vllm_server_command() -> list[str]:
@@ -67,7 +68,7 @@ def servers(tmp_path_factory):
     log = open(tmp_path_factory.mktemp("vllm") / "server.log", "w")
     # vLLM keeps Responses only with its store on (the app's is on by default); its reset route is a dev route.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_RESPONSES_API_STORE": "1",
-           "VLLM_SERVER_DEV_MODE": "1"}
+           "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     proc = subprocess.Popen(vllm_server_command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     try:
         app = start_app(APP_OVERRIDES, name="prefix-serve")
@@ -414,9 +415,16 @@ def response_shape(r: dict[str, Any]) -> dict[str, Any]:
             "previous_response_id_set": r.get("previous_response_id") is not None, "store": r.get("store")}
 
 
+def event_kinds(events: list[Any]) -> list[str]:
+    """A stream's event types in order, a run of one type counted once: how many tokens one delta event
+    carries depends on timing (vLLM merges the outputs a slow reader has not taken yet)."""
+    kinds = [e["type"] for e in events]
+    return [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
+
+
 def event_shape(events: list[Any]) -> tuple[list[str], str, dict[str, Any]]:
     """A Responses stream: its event types in order, the text of its deltas, the final response's shape."""
-    kinds = [e["type"] for e in events]
+    kinds = event_kinds(events)
     text = "".join(e.get("delta", "") for e in events if e["type"] == "response.output_text.delta")
     return kinds, text, response_shape(events[-1]["response"])
 
@@ -510,8 +518,8 @@ def test_messages_answer_as_vllms_server_does(servers):
     assert message_shape(a) == message_shape(v) and a["content"][0]["text"]
     (sa, a), (sv, v) = both(servers, "POST", MSGS, msgs(stream=True))
     assert sa == sv == 200
-    kinds = [e["type"] for e in a]
-    assert kinds == [e["type"] for e in v] and kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    kinds = event_kinds(a)
+    assert kinds == event_kinds(v) and kinds[0] == "message_start" and kinds[-1] == "message_stop"
     text = ["".join(e["delta"].get("text", "") for e in x if e["type"] == "content_block_delta") for x in (a, v)]
     assert text[0] == text[1] and text[0]
     tool = {"name": "get_weather", "description": "Weather of a city",
@@ -545,3 +553,130 @@ def test_reset_prefix_cache_as_vllms_server_does(servers):
     for base in servers:
         status, out = _post(base, CMPL, cmpl(max_tokens=1))
         assert status == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_an_adapter_loaded_at_run_time_answers_as_the_configured_one_and_as_vllms_server(servers):
+    """Load the configured adapter's files under another name at run time: on both servers the same
+    answers to load, a repeated load, the listing, greedy text (the configured adapter's, not the base
+    model's), unload, a request after it and a repeated unload."""
+    name, path = "tiny-lora-rt", str(REPO / "models" / "tiny-qwen2-lora")
+    load = {"lora_name": name, "lora_path": path}
+    got = [httpx.post(f"{base}/v1/load_lora_adapter", json=load, timeout=120) for base in servers]
+    assert [g.status_code for g in got] == [200, 200] and got[0].text == got[1].text, [g.text for g in got]
+    got = [httpx.post(f"{base}/v1/load_lora_adapter", json=load, timeout=120) for base in servers]
+    assert [g.status_code for g in got] == [400, 400] and got[0].json() == got[1].json()  # already loaded
+    listed = [{m["id"] for m in httpx.get(f"{base}/v1/models", timeout=30).json()["data"]} for base in servers]
+    assert listed[0] == listed[1] == {MODEL, ADAPTER, name}
+    texts = {}
+    for model in (MODEL, ADAPTER, name):
+        (sa, a), (sv, v) = both(servers, "POST", CHAT, chat(model=model, max_tokens=8))
+        assert sa == sv == 200 and unary_text(a) == unary_text(v)
+        texts[model] = unary_text(a)
+    assert texts[name] == texts[ADAPTER] != texts[MODEL]
+    got = [httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=120) for base in servers]
+    assert [g.status_code for g in got] == [200, 200] and got[0].text == got[1].text
+    (sa, a), (sv, v) = both(servers, "POST", CHAT, chat(model=name))
+    assert sa == sv == 404 and a["error"]["message"] == v["error"]["message"]
+    got = [httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=120) for base in servers]
+    assert [g.status_code for g in got] == [404, 404] and got[0].json() == got[1].json()
+
+
+def test_batch_chat_answers_as_vllms_server_does(servers):
+    """/v1/chat/completions/batch: one choice per conversation, the same greedy text and counts."""
+    body = {"model": MODEL, "max_tokens": 5, "temperature": 0,
+            "messages": [[{"role": "user", "content": LONG_TEXT}], [{"role": "user", "content": "Hello there"}],
+                         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]]}
+    (sa, a), (sv, v) = both(servers, "POST", "/v1/chat/completions/batch", body)
+    assert sa == sv == 200, (a, v)
+    assert unary_shape(a, True) == unary_shape(v, True) and unary_text(a) == unary_text(v)
+    assert [c["index"] for c in a["choices"]] == [0, 1, 2]
+    # vLLM's batch chat ignores `stream` (no streaming): the same whole answer.
+    (sa, a2), (sv, v2) = both(servers, "POST", "/v1/chat/completions/batch", {**body, "stream": True})
+    assert sa == sv == 200 and unary_text(a2) == unary_text(v2) and len(a2["choices"]) == 3
+
+
+# ------------------------------------------------------------------ real clients, as their documentation uses them
+
+def test_openai_agents_sdk_runs_against_the_app_as_against_vllms_server(servers):
+    """The OpenAI Agents SDK with OpenAIResponsesModel (its default; a second turn chained by
+    previous_response_id on the server's store) and with OpenAIChatCompletionsModel."""
+    import asyncio
+
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # the SDK would export its traces to OpenAI's servers
+
+    async def run(base: str) -> tuple[str, str, str, int]:
+        client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused")
+        # The SDK refuses a response cut at max_tokens (`incomplete`): the tiny model's random weights
+        # seldom say <|im_end|> (token 2), so a logit bias makes it end within the budget.
+        settings = ModelSettings(max_tokens=16, temperature=0, extra_body={"logit_bias": {"2": 6.0}})
+        agent = Agent(name="Assistant", instructions="Be brief.", model_settings=settings,
+                      model=OpenAIResponsesModel(model=MODEL, openai_client=client))
+        first = await Runner.run(agent, "My name is Ada. Say hello.")
+        second = await Runner.run(agent, "What is my name?", previous_response_id=first.last_response_id)
+        chat_agent = Agent(name="Assistant", instructions="Be brief.", model_settings=settings,
+                           model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client))
+        third = await Runner.run(chat_agent, "Say hello.")
+        usage = second.context_wrapper.usage.input_tokens
+        return first.final_output, second.final_output, third.final_output, usage
+
+    app, vllm = (asyncio.run(run(base)) for base in servers)
+    assert app == vllm and all(isinstance(t, str) for t in app[:3])
+    assert app[3] > 20  # the chained turn's prompt held the first turn
+
+
+def test_anthropic_sdk_runs_against_the_app_as_against_vllms_server(servers):
+    """Anthropic's SDK: messages.create, messages.stream and messages.count_tokens."""
+    import anthropic
+
+    def run(base: str) -> tuple[Any, ...]:
+        client = anthropic.Anthropic(base_url=base, api_key="unused")
+        messages = [{"role": "user", "content": LONG_TEXT}]
+        greedy = {"temperature": 0}  # the SDK no longer takes temperature; vLLM's Messages API does
+        created = client.messages.create(model=MODEL, max_tokens=8, messages=messages, system="Be brief.",
+                                         extra_body=greedy)
+        with client.messages.stream(model=MODEL, max_tokens=8, messages=messages, extra_body=greedy) as stream:
+            streamed = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        counted = client.messages.count_tokens(model=MODEL, messages=messages)
+        try:
+            client.messages.create(model="no-such-model", max_tokens=8, messages=messages)
+            refused = None
+        except anthropic.NotFoundError as e:
+            refused = e.status_code
+        return (created.content[0].text, created.stop_reason, created.usage.input_tokens, streamed,
+                final.usage.output_tokens, counted.input_tokens, refused)
+
+    app, vllm = (run(base) for base in servers)
+    assert app == vllm and app[-1] == 404 and app[3] and app[4] == 8
+
+
+def test_langchain_chat_openai_runs_against_the_app_as_against_vllms_server(servers):
+    """LangChain's ChatOpenAI: invoke, stream and bind_tools."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Weather of a city."""
+        return "sunny"
+
+    def run(base: str) -> tuple[Any, ...]:
+        llm = ChatOpenAI(model=MODEL, base_url=f"{base}/v1", api_key="unused", max_tokens=8, temperature=0)
+        invoked = llm.invoke(LONG_TEXT)
+        streamed = "".join(chunk.content for chunk in llm.stream(LONG_TEXT))
+        with_tools = llm.bind_tools([get_weather]).invoke("What is the weather in Paris?")
+        return (invoked.content, invoked.usage_metadata["input_tokens"], streamed, with_tools.content,
+                [c["name"] for c in with_tools.tool_calls])
+
+    app, vllm = (run(base) for base in servers)
+    assert app == vllm and app[0] == app[2] and app[1] > 60

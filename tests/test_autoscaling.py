@@ -47,6 +47,7 @@ LONG_MAX_TOKENS = 1500  # 8-30 s of decoding (idle to loaded machine): outlasts 
 SCALE_UP_TIMEOUT_S = 300.0
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 1,
                "downscale_delay_s": 2, "metrics_interval_s": 0.5, "look_back_period_s": 2}
+RUNTIME_ADAPTER = "tiny-lora-rt"
 STATE: dict[str, Any] = {}  # what the scale-up case leaves for the scale-down case
 
 
@@ -61,7 +62,8 @@ def app():
     try:
         running = start_app({"engine_replicas": {"num_replicas": None, "max_ongoing_requests": ENGINE_CAP,
                                                  "autoscaling": AUTOSCALING},
-                             "lifecycle": {"request_timeout_s": 120}})
+                             "lifecycle": {"request_timeout_s": 120},
+                             "serving": {"allow_runtime_lora_updating": True}})
     except BaseException:
         stop_all()
         raise
@@ -141,6 +143,12 @@ def test_a_burst_scales_engines_up_and_the_router_follows_the_new_replica(app):
     assert engine_states() == {"RUNNING": 1}, "min_replicas is 1 and nothing has run yet"
     old = set(snap["subscribed"])
     assert len(old) == 1 and snap["synced"] == sorted(old)
+    # Issue 26: an adapter loaded at run time, before the scale-up, is loaded by the replica that starts later.
+    from tests.conftest import REPO
+
+    r = httpx.post(f"{app.base_url}/v1/load_lora_adapter", timeout=120,
+                   json={"lora_name": RUNTIME_ADAPTER, "lora_path": str(REPO / "models" / "tiny-qwen2-lora")})
+    assert r.status_code == 200 and r.text == f"Success: LoRA adapter '{RUNTIME_ADAPTER}' added successfully."
     before = requests_by_status(httpx.get(f"{app.base_url}/metrics", timeout=30).text)
 
     burst = Burst(app).start()
@@ -191,6 +199,7 @@ def test_a_burst_scales_engines_up_and_the_router_follows_the_new_replica(app):
     snap = routing(app)
     assert snap["replica_blocks"].get(new, 0) >= PROMPT_TOKENS // BLOCK, snap
     assert set(snap["synced"]) == old | {new}
+    assert snap["replica_adapters"][new] == [RUNTIME_ADAPTER], snap["replica_adapters"]  # loaded as it warmed up
     after = requests_by_status(httpx.get(f"{app.base_url}/metrics", timeout=30).text)
     counted = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
     assert counted == {("/v1/completions", "200"): len(burst.done)}, counted

@@ -269,15 +269,20 @@ def test_bad_serving_args_fail_naming_the_key(serving, fragment):
 
 
 def test_serving_args_match_vllms_flags():
-    """Every ServingConfig field is a flag of vLLM's OpenAI server (same name, dashes for underscores)."""
+    """Every ServingConfig field is a flag of vLLM's OpenAI server (same name, dashes for underscores),
+    or one of the environment variables vLLM's server reads in their place (``ENV_FIELDS``)."""
+    from vllm import envs
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from app.config import ServingConfig
+    from app.config import ENV_FIELDS, ServingConfig
 
     parser = make_arg_parser(FlexibleArgumentParser())
     dests = {a.dest for a in parser._actions}
-    assert set(ServingConfig.model_fields) <= dests, set(ServingConfig.model_fields) - dests
+    flags = set(ServingConfig.model_fields) - set(ENV_FIELDS)
+    assert flags <= dests, flags - dests
+    assert set(ENV_FIELDS) <= set(ServingConfig.model_fields)
+    assert all(hasattr(envs, variable) for variable in ENV_FIELDS.values()), ENV_FIELDS
 
 
 @pytest.mark.parametrize("knob", ["load_factor", "busy_cluster_weight", "uncached_weight", "predicted_ttl_s"])
