@@ -15,7 +15,9 @@ answer is vLLM's own. The ingress is layered as vLLM's API server is:
 - ``app.admin``: probes, debug, metrics, the model list and the tokenizer routes;
 - ``app.http_app``: the FastAPI app, its error handlers and the API-key middleware.
 
-HTTP routes here: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (``stream:
+HTTP routes here: ``POST /v1/chat/completions``, ``/v1/chat/completions/batch``, ``/v1/responses``
+(with ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``), ``/v1/messages`` (with
+``/v1/messages/count_tokens``) and ``POST /v1/completions`` (``stream:
 true`` gives server-sent events, with ``: keep-alive`` comments until the first token,
 ``lifecycle.stream_keepalive_s``, and an error event, then ``[DONE]``, when a lost
 replica (503) or the request timeout (504) ends it).
@@ -26,6 +28,8 @@ Python handles (from another Ray app, ``serve.get_app_handle("prefix-serve")``):
 - ``handle.options(stream=True).chat_stream.remote(body)`` -> async iterator of
   ``ChatCompletionStreamResponse``
 - ``await handle.completions.remote(body)`` / ``completions_stream`` likewise.
+- ``await handle.responses.remote(body)`` -> vLLM's ``ResponsesResponse``;
+  ``await handle.messages.remote(body)`` -> vLLM's ``AnthropicMessagesResponse`` (unary).
 
 ``body`` is a dict in the OpenAI request shape or vLLM's request model. Errors
 raise ``OpenAIError`` carrying vLLM's status, type, message and param (the caller
@@ -186,6 +190,17 @@ class OpenAIIngress(AdminRoutes):
         """Unary text completion. ``body``: dict or ``CompletionRequest``. Returns vLLM's
         ``CompletionResponse``; raises ``OpenAIError``."""
         return results.response_of(await self.serving.create(COMPLETION, body, trace_headers, stream=False))
+
+    async def responses(self, body: Any, trace_headers: dict[str, str] | None = None) -> Any:
+        """Unary Responses API call. ``body``: dict or vLLM's ``ResponsesRequest``; a stored response's
+        follow-ups (``previous_response_id``) go to its home replica, as over HTTP. Returns vLLM's
+        ``ResponsesResponse``; raises ``OpenAIError``."""
+        return results.response_of(await self.serving.create(RESPONSES, body, trace_headers, stream=False))
+
+    async def messages(self, body: Any, trace_headers: dict[str, str] | None = None) -> Any:
+        """Unary Anthropic Messages call. ``body``: dict or vLLM's ``AnthropicMessagesRequest``. Returns
+        vLLM's ``AnthropicMessagesResponse``; raises ``OpenAIError`` (OpenAI's error fields)."""
+        return results.response_of(await self.serving.create(MESSAGES, body, trace_headers, stream=False))
 
     async def completions_stream(self, body: Any, trace_headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
         """Streamed text completion: yields vLLM's ``CompletionStreamResponse`` chunks."""

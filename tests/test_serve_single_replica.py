@@ -376,6 +376,33 @@ def _ingress_log_tail(app) -> tuple[list, dict]:
     return files, {f: os.path.getsize(f) for f in files}
 
 
+def test_responses_and_messages_through_the_handle(app):
+    """Issue 26: the Responses and Messages APIs from another Ray app's handle: vLLM's models, a stored
+    response chained by ``previous_response_id`` at home, and the errors as ``OpenAIError``."""
+    from ray import serve
+
+    from app.errors import OpenAIError
+
+    handle = serve.get_app_handle(app.name)
+    first = handle.responses.remote({"model": app.model, "input": "My name is Ada.", "max_output_tokens": 3,
+                                     "store": True}).result(timeout_s=120)
+    assert type(first).__name__ == "ResponsesResponse" and first.usage.output_tokens == 3
+    second = handle.responses.remote({"model": app.model, "input": "And then?", "max_output_tokens": 3,
+                                      "previous_response_id": first.id}).result(timeout_s=120)
+    assert second.usage.input_tokens > first.usage.input_tokens + 3  # the stored turn was prepended
+    with pytest.raises(OpenAIError) as caught:
+        handle.responses.remote({"model": app.model, "input": "x", "previous_response_id": "resp_gone"}).result(
+            timeout_s=60)
+    assert caught.value.status == 404 and "resp_gone" in caught.value.message
+    message = handle.messages.remote({"model": app.model, "max_tokens": 3, "messages": [
+        {"role": "user", "content": "Hello"}]}).result(timeout_s=120)
+    assert type(message).__name__ == "AnthropicMessagesResponse" and message.usage.output_tokens == 3
+    with pytest.raises(OpenAIError) as caught:
+        handle.messages.remote({"model": app.model, "messages": [{"role": "user", "content": "x"}]}).result(
+            timeout_s=60)  # no max_tokens
+    assert caught.value.status == 400
+
+
 def test_bad_request_through_the_handle_raises_openai_error_without_log_traceback(app):
     """A Python handle caller gets an ``OpenAIError`` it can catch (Ray's
     ``RayTaskError(OpenAIError)``) with vLLM's status, type and param; the ingress
