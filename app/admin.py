@@ -256,10 +256,10 @@ class AdminRoutes:
         from app.home import base_of
 
         found: list[dict[str, Any]] = []
-        for router in list(metrics.ROUTERS):
-            found += await _ask(router, lambda r=router: r.decisions_for(request_id))
-            if base_of(request_id) != request_id:
-                found += await _ask(router, lambda r=router: r.decisions_for(base_of(request_id)))
+        ids = [request_id] if base_of(request_id) == request_id else [base_of(request_id), request_id]
+        for router in list(metrics.ROUTERS):  # the create first: retrieves and cancels come after it
+            for rid in ids:
+                found += await _ask(router, lambda r=router, rid=rid: r.decisions_for(rid))
         if found:  # a client may send two requests under one id: the newest, with the others named
             return {**found[-1], "earlier": found[:-1]} if len(found) > 1 else found[-1]
         raise OpenAIError(f"no routing decision recorded for request `{request_id}`", 404)

@@ -314,7 +314,12 @@ class VLLMEngine:
         serving = self.frontend.responses
         if body.store and serving.enable_store:
             body.request_id = home_id(body.request_id, self.replica_id)
-        return _responses_sse(await serving.create_responses(body))
+        answer = await serving.create_responses(body)
+        if body.background and body.stream:
+            # vLLM answers with a reader of the background task's events, which the task registers when
+            # it first runs: let it run once before the reader's first read (vLLM's server reads later).
+            await asyncio.sleep(0)
+        return _responses_sse(answer)
 
     async def responses_retrieve(self, request: EngineRequest) -> AsyncIterator[Any]:
         """A stored response, from vLLM's ``retrieve_responses`` (a background stream's events with
@@ -324,7 +329,15 @@ class VLLMEngine:
             yield item
 
     async def _retrieve(self, call: StoredResponseCall) -> Any:
-        return _responses_sse(await self.frontend.responses.retrieve_responses(
+        serving = self.frontend.responses
+        if call.stream and call.response_id in serving.response_store and call.response_id not in serving.event_store:
+            # Only a background stream's events are kept: vLLM's reader would raise this at its first read.
+            from vllm.entrypoints.serve import create_error_response
+            from vllm.exceptions import VLLMValidationError
+
+            return create_error_response(VLLMValidationError(
+                f"Unknown response_id: {call.response_id}", parameter="response_id", value=call.response_id))
+        return _responses_sse(await serving.retrieve_responses(
             call.response_id, starting_after=call.starting_after, stream=call.stream))
 
     async def responses_cancel(self, request: EngineRequest) -> AsyncIterator[Any]:
@@ -405,11 +418,24 @@ class VLLMEngine:
 
     async def _stream(self, probe: request_probe.RequestProbe, result: Any) -> AsyncIterator[Any]:
         """vLLM's SSE strings, the last one ``"data: [DONE]"`` (in ``EngineSummary``); an error event
-        vLLM wrote comes as ``StreamError``. Closing it early (client gone) has vLLM abort the request."""
+        vLLM wrote comes as ``StreamError``, and so does an error its stream raised (vLLM's mapping; its
+        ``text`` left for the ingress to write in the request's API). Closing it early (client gone)
+        has vLLM abort the request."""
+        from vllm.entrypoints.serve import create_error_response
+
         yield Accepted(self.replica_id)
         first_reported = False
+        stream = aiter(result)
         try:
-            async for chunk in result:
+            while True:
+                try:
+                    chunk = await anext(stream)
+                except StopAsyncIteration:
+                    break
+                except Exception as e:  # noqa: BLE001 - vLLM's stream raised: its error, mapped as vLLM maps it
+                    error = create_error_response(e).model_dump()
+                    yield StreamError(int(error["error"]["code"]), error, "")  # written by the ingress, in its API
+                    break
                 if chunk == _DONE:
                     yield self._summary(probe, chunk)
                     return

@@ -5,6 +5,7 @@ Every error a client gets is OpenAI's JSON shape (``app.errors``) with its statu
 - ``OpenAIError`` raised by a route (a body over the size limit: 413; an unknown debug id: 404);
 - Starlette's own: a path no route has (404) and a method its route does not take
   (405, with the route's ``Allow`` header), each naming method and path;
+- a query or path parameter that does not parse: 400 naming it (vLLM's, not FastAPI's 422);
 - anything unexpected: 500 ``internal error: <type>``, logged with its traceback (no
   secrets in the message).
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import auth
@@ -44,10 +46,38 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers)
 
 
+@fastapi_app.exception_handler(RequestValidationError)
+async def _invalid_parameters(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """A query or path parameter FastAPI could not parse (``?starting_after=abc``): 400 in OpenAI's
+    shape naming it, as vLLM's server answers (its ``validation_exception_handler``), not FastAPI's 422."""
+    from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
+
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    param = clean_loc_for_param(tuple(first.get("loc") or ())) or None
+    message = f"{param}: {first.get('msg')}" if param else "Validation error"
+    return JSONResponse(error_body(message, 400, param=param), status_code=400)
+
+
 @fastapi_app.exception_handler(Exception)
 async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    if _client_left(exc):  # nobody reads this answer: no error to report
+        logger.info("client left before its answer ended (%s)", type(exc).__name__)
+        return JSONResponse(error_body("client closed the request", 499), status_code=499)
     logger.exception("unhandled error in the ingress")
     return JSONResponse(error_body(f"internal error: {type(exc).__name__}", 500), status_code=500)
+
+
+def _client_left(exc: BaseException) -> bool:
+    """``exc`` says only that the client went away: Serve cancels the ASGI ``receive`` of a request whose
+    client disconnected (``TaskCancelledError``), which Starlette's stream, listening for the disconnect
+    through the API-key middleware, raises in an exception group."""
+    from ray.exceptions import TaskCancelledError
+
+    inner = getattr(exc, "exceptions", None)
+    if inner is not None:
+        return bool(inner) and all(_client_left(e) for e in inner)
+    return isinstance(exc, TaskCancelledError)
 
 
 @fastapi_app.middleware("http")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from array import array
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -123,7 +124,7 @@ class Preparer:
         except Exception as e:  # noqa: BLE001 - the preparation's boundary: every error mapped once, as vLLM's
             return refusal(e, stage, "input")
 
-    async def prepare_chat_batch(self, body: Any) -> EngineRequest | Failed:
+    async def prepare_chat_batch(self, body: Any, request_id: str | None = None) -> EngineRequest | Failed:
         """A batch chat request (``POST /v1/chat/completions/batch``: a list of conversations, one answer
         choice each) as an ``EngineRequest``, routed by its first conversation's block keys (as a
         completion's list of prompts is) and counted with every conversation's prompt. Each conversation
@@ -134,6 +135,8 @@ class Preparer:
             req = self.request(CHAT_BATCH, body)
             if getattr(req, "stream", None):  # an extra field vLLM's batch chat ignores: it answers whole
                 req.stream = False
+            if req.request_id is None:  # vLLM names it after X-Request-Id, else at random: named here, once
+                req.request_id = request_id or uuid.uuid4().hex
             stage = "model"
             lora = await self.resolve_model(req.model)
             stage = "render"
@@ -323,7 +326,10 @@ def refusal(e: Exception, stage: str, field: str) -> Failed:
     else:
         failed = Failed.of(e)
     if stage == "body" and failed.status >= 500:
-        return Failed.of(f"malformed request body: {type(e).__name__}: {e}")
+        failed = Failed.of(f"malformed request body: {type(e).__name__}: {e}")
+    if stage == "body":  # vLLM validates a body before any route: OpenAI's error shape on every API
+        failed.request_invalid = True
+        return failed
     if stage == "render":
         if failed.status >= 500 and not isinstance(e, (OpenAIError, *_SERVER_SIDE)):
             return Failed.of(f"{field}: could not be rendered: {type(e).__name__}: {e}", param=field)

@@ -55,9 +55,12 @@ class JSONResponse(_StarletteJSONResponse):
 
 @dataclass(slots=True)
 class Failed:
-    """An error answer: ``error`` is vLLM's ``ErrorResponse`` (``error.code`` is the HTTP status)."""
+    """An error answer: ``error`` is vLLM's ``ErrorResponse`` (``error.code`` is the HTTP status).
+    ``request_invalid``: the body did not parse or validate, which vLLM's server answers in OpenAI's
+    shape on every API (its request validation runs before the route), Anthropic's included."""
 
     error: Any
+    request_invalid: bool = False
 
     @property
     def status(self) -> int:
@@ -192,7 +195,8 @@ def error_response(failed: Failed, route: str | None = None, dialect: Dialect = 
     """JSON of an error answer with its status; counted for ``route`` if one is given."""
     if route is not None:
         metrics.REQUESTS.labels(route=route, status=str(failed.status)).inc()
-    return JSONResponse(dialect.error(failed.body()), status_code=failed.status)
+    body = failed.body() if failed.request_invalid else dialect.error(failed.body())
+    return JSONResponse(body, status_code=failed.status)
 
 
 def json_response(result: Failed | Whole) -> JSONResponse:

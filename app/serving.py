@@ -34,7 +34,7 @@ from app.dispatch import Dispatcher
 from app.errors import error_body
 from app.offload import WorkerLoop
 from app.prepare import CANCEL, CHAT, CHAT_BATCH, COMPLETION, MESSAGES, RESPONSES, RETRIEVE, Preparer, decode, refusal
-from app.protocol import EngineRequest
+from app.protocol import EngineRequest, StreamError
 from app.results import (
     ANTHROPIC,
     DONE,
@@ -142,7 +142,7 @@ class OpenAIServing:
         elif kind == MESSAGES:
             work = self.preparer.prepare_messages(body, stream, request_id)
         elif kind == CHAT_BATCH:
-            work = self.preparer.prepare_chat_batch(body)
+            work = self.preparer.prepare_chat_batch(body, request_id)
         else:
             work = self.preparer.prepare(kind, body, stream, request_id)
         small = isinstance(body, (bytes, bytearray)) and len(body) <= INLINE_BODY_BYTES
@@ -165,6 +165,8 @@ class OpenAIServing:
             async for item in self.dispatcher.answer(kind, ereq, span, deadline):
                 if isinstance(item, Failed):  # vLLM refused the request instead of streaming, or the call failed
                     item = stream_error(item, dialect)
+                elif isinstance(item, StreamError) and not item.text:  # raised in the engine: written here
+                    item = dialect.stream_error(item.body)
                 elif isinstance(item, Whole):
                     item = dialect.stream_error(error_body("engine error: a streamed request answered whole", 500))
                 yield item

@@ -488,6 +488,19 @@ def test_stored_responses_chain_retrieve_and_cancel_as_vllms_server_does(servers
     cancel = [httpx.post(f"{base}{RESP}/{x['id']}/cancel", timeout=60) for base, x in zip(servers, (a, v), strict=True)]
     assert [c.status_code for c in cancel] == [200, 200], [c.text for c in cancel]
     assert cancel[0].json()["status"] == cancel[1].json()["status"] == "cancelled"
+    # Background and streamed: the stream of the task's events from the first (the task had not run yet).
+    (sa, a), (sv, v) = both(servers, "POST", RESP, resp(background=True, store=True, stream=True))
+    assert sa == sv == 200 and event_shape(a) == event_shape(v), (a[:2], v[:2])
+    bg = a[0]["response"]["id"]
+    replay = httpx.get(f"{servers[0]}{RESP}/{bg}", params={"stream": "true", "starting_after": 1}, timeout=60)
+    assert replay.status_code == 200 and replay.text.count("event: ") == len(a) - 2  # events 2.. replayed
+    # Only a background response's events are kept: the app refuses to stream another's (vLLM's reader
+    # raises at its first read: vLLM's server sends a 200 with no event), naming the parameter.
+    got = httpx.get(f"{servers[0]}{RESP}/{ids[0]}", params={"stream": "true"}, timeout=60)
+    assert got.status_code == 400 and got.json()["error"]["param"] == "response_id", got.text
+    for query in ({"starting_after": "abc"}, {"stream": "maybe"}):  # vLLM's 400, not FastAPI's 422
+        got = [httpx.get(f"{base}{RESP}/resp_x", params=query, timeout=60) for base in servers]
+        assert [g.status_code for g in got] == [400, 400] and all(g.json()["error"]["code"] == 400 for g in got)
     (sa, a), (sv, v) = both(servers, "POST", RESP, resp("next", previous_response_id="resp_unknown"))
     assert sa == sv == 404 and a == v
     (sa, a), (sv, v) = both(servers, "POST", RESP, resp("x", model="no-such-model"))
@@ -538,7 +551,8 @@ def test_messages_errors_as_vllms_server_does(servers):
     body = msgs()
     del body["max_tokens"]
     (sa, a), (sv, v) = both(servers, "POST", MSGS, body)
-    assert sa == sv == 400
+    # vLLM validates the body before the route: OpenAI's error shape, not Anthropic's.
+    assert sa == sv == 400 and a["error"]["code"] == v["error"]["code"] == 400, (a, v)
 
 
 def test_reset_prefix_cache_as_vllms_server_does(servers):
@@ -590,6 +604,10 @@ def test_batch_chat_answers_as_vllms_server_does(servers):
     assert sa == sv == 200, (a, v)
     assert unary_shape(a, True) == unary_shape(v, True) and unary_text(a) == unary_text(v)
     assert [c["index"] for c in a["choices"]] == [0, 1, 2]
+    # X-Request-Id names it, as vLLM's server does; the router's decision record is found under that id.
+    answers = [_post(base, "/v1/chat/completions/batch", body, {"X-Request-Id": "my-batch-1"}) for base in servers]
+    assert [x[1]["id"] for x in answers] == ["chatcmpl-my-batch-1"] * 2
+    assert httpx.get(f"{servers[0]}/debug/routing/decisions/chatcmpl-my-batch-1", timeout=30).status_code == 200
     # vLLM's batch chat ignores `stream` (no streaming): the same whole answer.
     (sa, a2), (sv, v2) = both(servers, "POST", "/v1/chat/completions/batch", {**body, "stream": True})
     assert sa == sv == 200 and unary_text(a2) == unary_text(v2) and len(a2["choices"]) == 3

@@ -38,6 +38,21 @@ def test_the_store_is_bounded_by_count_and_by_age(monkeypatch):
         serving.msg_store[f"r{i}"] = [i]
     assert sorted(serving.response_store) == ["r2", "r3", "r4"] and sorted(serving.msg_store) == ["r2", "r3", "r4"]
     assert serving.response_store.get("r0") is None  # what vLLM reads: its 404
+    # A response leaving by count takes its messages with it, though they were written first.
+    bound_responses_store(serving, ResponsesStoreConfig(max_entries=3, ttl_s=60))
+    serving.msg_store["m0"] = ["hello"]
+    for i in range(4):
+        serving.response_store[f"m{i}"] = i
+    assert "m0" not in serving.response_store and "m0" not in serving.msg_store
+    # ... and by age: writing the response renews its messages' age.
+    bound_responses_store(serving, ResponsesStoreConfig(max_entries=10, ttl_s=0.5))
+    serving.msg_store["r"] = ["hi"]
+    time.sleep(0.3)
+    serving.response_store["r"] = "done"
+    time.sleep(0.3)  # the messages were written 0.6 s ago, renewed 0.3 s ago
+    assert serving.msg_store.get("r") == ["hi"]
+    time.sleep(0.3)
+    assert serving.response_store.get("r") is None and "r" not in serving.msg_store
     bound_responses_store(serving, ResponsesStoreConfig(max_entries=10, ttl_s=0.5))
     serving.response_store["a"] = 1
     time.sleep(0.3)
@@ -86,3 +101,22 @@ def test_each_api_ends_its_stream_and_writes_its_errors_as_vllm_does(dialect_nam
 
     response = asyncio.run(sse.respond(refused(), "/t", 0, dialect))
     assert response.status_code == 503 and json.loads(response.body) == dialect.error(body)
+
+
+def test_a_client_that_left_is_not_reported_as_a_server_error():
+    """Serve cancels the ASGI receive of a request whose client disconnected; Starlette's stream raises
+    that in an exception group (seen live: an ERROR log with a traceback per disconnect)."""
+    from ray.exceptions import TaskCancelledError
+
+    from app.http_app import _client_left
+
+    try:
+        from builtins import ExceptionGroup  # Python 3.11+
+    except ImportError:  # 3.10: anyio's backport
+        from exceptiongroup import ExceptionGroup
+
+    gone = TaskCancelledError()
+    assert _client_left(gone) and _client_left(ExceptionGroup("g", [gone]))
+    assert _client_left(ExceptionGroup("g", [ExceptionGroup("h", [gone]), gone]))
+    assert not _client_left(ExceptionGroup("g", [gone, ValueError("bug")]))
+    assert not _client_left(ValueError("bug")) and not _client_left(ExceptionGroup("g", [KeyError("k")]))

@@ -267,14 +267,18 @@ def test_chained_responses_reach_the_replica_that_stored_them(app):
     (previous_response_id) reaches the replica that stored its parent, as its decision record says."""
 
     def conversation(i: int) -> list[tuple[str, str, str | None]]:
-        turns, previous = [], None
+        turns, previous, prompt = [], None, 0
         for t in range(4):
             text = " ".join(f"w{(i * 7919 + t * 104729 + k) % 5000}" for k in range(40 if t == 0 else 6))
             out = respond(app, text, previous, salt=f"conversation-{i}")  # no blocks shared across them
             d = decision(app, out["id"])
             turns.append((out["id"], d["replica_id"], previous))
             assert d["reason"] == ("home" if previous else d["reason"])
-            previous = out["id"]
+            # At home the follow-up's prompt, which begins with its parent's, is served from the cache
+            # at least over the parent prompt's full blocks.
+            cached = out["usage"]["input_tokens_details"]["cached_tokens"]
+            assert cached >= prompt // BLOCK * BLOCK, (out["usage"], prompt)
+            previous, prompt = out["id"], out["usage"]["input_tokens"]
         return turns
 
     with ThreadPoolExecutor(4) as pool:
