@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from app import metrics, tracing
 from app import protocol as stats_keys
@@ -74,8 +74,15 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-class PrefixAffinityRouter(FIFOMixin, RequestRouter):
-    """Routes each request to the replica with the lowest score under bounded load (see module doc)."""
+class PrefixAffinityRouter(RequestRouter):
+    """Routes each request to the replica with the lowest score under bounded load (see module doc).
+
+    Not with Serve's ``FIFOMixin``: a replica chosen for one request must go to that request (Serve's
+    default match by internal request id), never to the oldest one waiting. FIFO hands a request's
+    pick, made for its own prefix, to another request; a stored response's follow-up could then reach
+    a replica that does not hold it (vLLM's 404), and a broadcast call pinned to one replica run on
+    another (seen live after idle spells, with two requests routed at once).
+    """
 
     def initialize_state(self, **kwargs: Any) -> None:
         self.init_error: str | None = None

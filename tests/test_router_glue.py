@@ -347,3 +347,23 @@ async def test_a_request_naming_a_stored_response_goes_home_while_home_runs(rout
     assert sorted(r.replica_id.unique_id for rank in ranked for r in rank) == ["a", "b", "c"]
     assert router.state.requests["i-gone"].decision is not None  # scored as any request
     assert metrics.FALLBACKS.labels(cause="home_gone")._value.get() == gone_before + 1
+
+
+@on_loop
+async def test_a_replica_chosen_for_one_request_goes_to_that_request_not_the_oldest(routers):
+    """Issue 26 (seen live): with Serve's FIFOMixin, the replica chosen for request A was handed to the
+    oldest waiting request B; B, a follow-up homed on the other replica, got vLLM's 404. Serve's own
+    match by internal request id gives each request the replica chosen for it."""
+    router = routers(block_size=32)
+    a, b = engine_request(), engine_request()
+    a.home_replica, b.home_replica = "a", "b"
+    older, newer = pending(b, "i-b"), pending(a, "i-a")  # b waits longer
+    for pr in (older, newer):
+        router._pending_requests_to_fulfill.append(pr)
+        router._add_pending_request_to_indices(pr)
+    candidates = [replica("a"), replica("b")]
+    ranked = await router.choose_replicas(candidates, newer)
+    assert [[r.replica_id.unique_id for r in rank] for rank in ranked] == [["a"]]
+    router._fulfill_next_pending_request(ranked[0][0], newer.metadata)  # what Serve does once "a" accepts
+    assert newer.future.done() and newer.future.result().replica_id.unique_id == "a"
+    assert not older.future.done()  # still waiting for its own home, "b"
