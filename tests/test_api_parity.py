@@ -610,9 +610,14 @@ def test_batch_chat_answers_as_vllms_server_does(servers):
     answers = [_post(base, "/v1/chat/completions/batch", body, {"X-Request-Id": "my-batch-1"}) for base in servers]
     assert [x[1]["id"] for x in answers] == ["chatcmpl-my-batch-1"] * 2
     assert httpx.get(f"{servers[0]}/debug/routing/decisions/chatcmpl-my-batch-1", timeout=30).status_code == 200
-    # vLLM's batch chat ignores `stream` (no streaming): the same whole answer.
+    # `stream` is no field of vLLM's batch request: both answer whole. vLLM's server passes it on into
+    # each conversation's request, which then samples deltas, and its answer keeps only each conversation's
+    # last delta (here 1 token of 5); the app drops it and answers whole, every token.
+    (sa, a3), (sv, v3) = both(servers, "POST", "/v1/chat/completions/batch", body)  # warm, as the next
     (sa, a2), (sv, v2) = both(servers, "POST", "/v1/chat/completions/batch", {**body, "stream": True})
-    assert sa == sv == 200 and unary_text(a2) == unary_text(v2) and len(a2["choices"]) == 3
+    assert sa == sv == 200 and len(a2["choices"]) == len(v2["choices"]) == 3
+    assert a2["usage"]["completion_tokens"] == 15  # vLLM counts 3: the last deltas
+    assert unary_text(a2) == unary_text(a3) == unary_text(v3)
 
 
 # ------------------------------------------------------------------ real clients, as their documentation uses them
