@@ -6,8 +6,9 @@ including those Serve starts later. ``AdapterBook`` is the record: a named Ray a
 (one per app, detached so it outlives the ingress replica that made it, none per
 process) that owns ``{adapter name: path}`` of the adapters loaded at run time, and
 nothing else. The ingress writes it (``serving.allow_runtime_lora_updating``) and then
-sends the load to every running engine replica (``app.broadcast``); an engine replica
-reads it when it warms up and loads what it lists, after the configured adapters;
+sends the load to every running engine replica (``app.broadcast``), or to the replicas
+the load names; an engine replica reads it when it warms up and loads those loaded on
+every replica, after the configured adapters;
 the ingresses read it to accept ``model: <adapter>`` and list the adapter in
 ``/v1/models``. Unloading removes the entry first, then the adapter from every replica.
 """
@@ -23,19 +24,34 @@ NAMESPACE = "prefix-serve"
 
 @ray.remote(num_cpus=0)
 class AdapterBook:
-    """``{adapter name: path}`` of the adapters loaded at run time (see module doc)."""
+    """The adapters loaded at run time (see module doc): each one's path, and the replicas it was
+    loaded on when a load named them (None: every replica, those started later included)."""
 
     def __init__(self) -> None:
         self.paths: dict[str, str] = {}
+        self.only: dict[str, list[str]] = {}
 
-    def add(self, name: str, path: str) -> None:
+    def add(self, name: str, path: str, replicas: list[str] | None = None) -> None:
         self.paths[name] = path
+        self.only.pop(name, None)
+        if replicas is not None:
+            self.only[name] = list(replicas)
 
     def remove(self, name: str) -> str | None:
+        self.only.pop(name, None)
         return self.paths.pop(name, None)
 
+    def entry(self, name: str) -> tuple[str, list[str] | None] | None:
+        """``(path, replicas)`` of one adapter (see ``add``), or None."""
+        return (self.paths[name], self.only.get(name)) if name in self.paths else None
+
     def all(self) -> dict[str, str]:
+        """``{name: path}`` of every adapter loaded at run time."""
         return dict(self.paths)
+
+    def for_every_replica(self) -> dict[str, str]:
+        """``{name: path}`` of those loaded on every replica: what a replica starting now loads."""
+        return {n: p for n, p in self.paths.items() if n not in self.only}
 
 
 def book_name(app_name: str) -> str:
@@ -53,7 +69,10 @@ def book(app_name: str, create: bool = False) -> Any:
         return None
 
 
-async def loaded(app_name: str) -> dict[str, str]:
-    """``{name: path}`` of the adapters loaded at run time ({} before the first load)."""
+async def loaded(app_name: str, every_replica: bool = False) -> dict[str, str]:
+    """``{name: path}`` of the adapters loaded at run time ({} before the first load); with
+    ``every_replica``, only those loaded on every replica (a replica starting now loads these)."""
     handle = book(app_name)
-    return {} if handle is None else await handle.all.remote()
+    if handle is None:
+        return {}
+    return await (handle.for_every_replica.remote() if every_replica else handle.all.remote())

@@ -121,8 +121,10 @@ class AdminRoutes:
     @fastapi_app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:
         """vLLM's runtime adapter load (``{"lora_name", "lora_path", "load_inplace"}``), on every engine
-        replica and on every one started later (``app.adapters``): vLLM's ``Success: ...`` text, or the
-        replicas' error. 404 unless ``serving.allow_runtime_lora_updating`` (vLLM: no such route)."""
+        replica and on every one started later (``app.adapters``), or, with ``"replicas": [ids]``, on those
+        replicas only (a replica started later does not load it): vLLM's ``Success: ...``
+        text, or the replicas' error. 404 unless ``serving.allow_runtime_lora_updating`` (vLLM: no such
+        route)."""
         return await self._lora_adapter("load", request)
 
     @fastapi_app.post("/v1/unload_lora_adapter")
@@ -143,23 +145,34 @@ class AdminRoutes:
                               "serving.allow_runtime_lora_updating)", 404, "NotFoundError")
         raw = await read_body(request, self.args.max_request_body_bytes)
         try:
-            body = (LoadLoRAAdapterRequest if op == "load" else UnloadLoRAAdapterRequest).model_validate(decode(raw))
+            fields = decode(raw)
+            body = (LoadLoRAAdapterRequest if op == "load" else UnloadLoRAAdapterRequest).model_validate(fields)
         except ValidationError as e:
             return json_response(validation_error(e))
+        only = fields.get("replicas") if op == "load" else None
+        if only is not None:  # this app's extension: these replicas only, and no replica started later
+            from app.broadcast import replica_ids
+
+            running = await replica_ids(self.engine)
+            if not isinstance(only, list) or not only or not all(isinstance(u, str) for u in only):
+                raise OpenAIError("replicas: a non-empty list of engine replica ids", 400, param="replicas")
+            if missing := sorted(set(only) - set(running)):
+                raise OpenAIError(f"replicas: no engine replica {', '.join(missing)} is running (running: "
+                                  f"{', '.join(running)}; GET /load lists them)", 404, "NotFoundError", "replicas")
         app_name = self.serving.app_name
         book = adapters.book(app_name, create=True)
-        earlier = (await book.all.remote()).get(body.lora_name)
+        earlier = await book.entry.remote(body.lora_name)  # (path, replicas) before this call, or None
         path = getattr(body, "lora_path", None)
-        if op == "load":
-            await book.add.remote(body.lora_name, path)  # first: a replica starting now loads it too
-        else:
+        if op == "load":  # first: a replica starting now loads it too (unless the load names replicas)
+            await book.add.remote(body.lora_name, path, only)
+        elif op == "unload":
             await book.remove.remote(body.lora_name)
-        answers = await to_every_replica(self.engine, "lora_adapter", (op, body))
+        answers = await to_every_replica(self.engine, "lora_adapter", (op, body), only)
         done = [a["ok"] for a in answers.values() if "ok" in a]
         errors = {uid: a.get("error") or {"error": {"message": str(a), "type": "InternalServerError", "code": 500}}
                   for uid, a in answers.items() if "ok" not in a}
-        if op == "load" and not done and earlier != path:  # loaded nowhere: forget it again
-            await (book.add.remote(body.lora_name, earlier) if earlier is not None else book.remove.remote(
+        if op == "load" and not done and earlier != (path, only):  # loaded nowhere: the book as it was
+            await (book.add.remote(body.lora_name, *earlier) if earlier is not None else book.remove.remote(
                 body.lora_name))
         if not answers:
             raise OpenAIError("no engine replica is running", 503, "ServiceUnavailableError")

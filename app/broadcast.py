@@ -39,10 +39,14 @@ async def replica_ids(engine: Any) -> list[str]:
     return sorted(ids)
 
 
-async def to_every_replica(engine: Any, method: str, body: Any) -> dict[str, dict[str, Any]]:
+async def to_every_replica(engine: Any, method: str, body: Any,
+                           only: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """``{replica id: its answer}`` of ``method(EngineRequest(body=body, home_replica=id))`` on every
-    engine replica, called at once; a failed or late call answers ``{"error": "<why>"}``."""
+    engine replica (or on those of ``only`` that run), called at once; a failed or late call answers
+    ``{"error": "<why>"}``."""
     uids = await replica_ids(engine)
+    if only is not None:
+        uids = [u for u in uids if u in only]
 
     async def call(uid: str) -> dict[str, Any]:
         request = EngineRequest(request_id=f"{method}-{uuid.uuid4().hex}", prompt_token_ids=array("I"), body=body,

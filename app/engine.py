@@ -221,7 +221,7 @@ class VLLMEngine:
 
         if not self.allow_runtime_lora:
             return
-        for name, path in (await adapters.loaded(self.app_name)).items():
+        for name, path in (await adapters.loaded(self.app_name, every_replica=True)).items():
             if name in self.frontend.models.lora_requests:
                 continue
             answer = await self.frontend.models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=name,

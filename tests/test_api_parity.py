@@ -593,6 +593,16 @@ def test_an_adapter_loaded_at_run_time_answers_as_the_configured_one_and_as_vllm
     assert sa == sv == 404 and a["error"]["message"] == v["error"]["message"]
     got = [httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=120) for base in servers]
     assert [g.status_code for g in got] == [404, 404] and got[0].json() == got[1].json()
+    # The app's extension: load on the replicas named (ids as /load lists them), or refuse unknown ones.
+    app = servers[0]
+    (uid,) = httpx.get(f"{app}/load", timeout=30).json()["replicas"]
+    got = httpx.post(f"{app}/v1/load_lora_adapter", json={**load, "replicas": ["nosuch01"]}, timeout=60)
+    assert got.status_code == 404 and got.json()["error"]["param"] == "replicas" and uid in got.text
+    got = httpx.post(f"{app}/v1/load_lora_adapter", json={**load, "replicas": [uid]}, timeout=120)
+    assert got.status_code == 200, got.text
+    (status, out) = _post(app, CHAT, chat(model=name, max_tokens=8))
+    assert status == 200 and unary_text(out) == texts[ADAPTER]
+    assert httpx.post(f"{app}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=120).status_code == 200
 
 
 def test_batch_chat_answers_as_vllms_server_does(servers):
