@@ -169,8 +169,12 @@ class AdminRoutes:
             await book.remove.remote(body.lora_name)
         answers = await to_every_replica(self.engine, "lora_adapter", (op, body), only)
         done = [a["ok"] for a in answers.values() if "ok" in a]
-        errors = {uid: a.get("error") or {"error": {"message": str(a), "type": "InternalServerError", "code": 500}}
-                  for uid, a in answers.items() if "ok" not in a}
+        errors = {}  # vLLM's error body, or one for a call that failed (a lost replica) or went astray
+        for uid, a in answers.items():
+            if "ok" not in a:
+                vllms = a.get("error")
+                errors[uid] = vllms if isinstance(vllms, dict) else error_body(
+                    f"engine replica {uid}: {vllms or a}", 500)
         if op == "load" and not done and earlier != (path, only):  # loaded nowhere: the book as it was
             await (book.add.remote(body.lora_name, *earlier) if earlier is not None else book.remove.remote(
                 body.lora_name))
