@@ -39,6 +39,8 @@ from app.results import JSONResponse, json_response
 logger = logging.getLogger("prefix_serve.ingress")
 READY_ENGINE_TIMEOUT_S = 2.0
 """How long ``GET /ready`` waits for an engine replica to answer when this process has no router yet."""
+RESET_TRIES, RESET_RETRY_S = 3, 0.5
+"""How often ``POST /reset_prefix_cache`` asks a replica that refused, and how far apart."""
 PUBLIC_PATHS = frozenset({"/ready", "/ping", "/version"})
 """Routes served without the API key (probes carry no credentials; vLLM's server asks for the key
 under ``/v1`` only)."""
@@ -110,11 +112,19 @@ class AdminRoutes:
         when each one reset, with each replica's answer under ``replicas``. vLLM refuses a reset
         (``success: false``) while blocks are held by running requests, unless ``reset_running_requests``;
         ``reset_external`` also resets the host-memory tier. Each engine publishes ``AllBlocksCleared``:
-        every router's index drops the replica's blocks."""
+        every router's index drops the replica's blocks. A replica that refused is asked again, up to
+        ``RESET_TRIES`` times ``RESET_RETRY_S`` apart (vLLM: "callers may retry"): blocks of requests that
+        just ended can still be held for a step."""
         from app.broadcast import to_every_replica
 
-        answers = await to_every_replica(self.engine, "reset_prefix_cache", {
-            "reset_running_requests": reset_running_requests, "reset_external": reset_external})
+        body = {"reset_running_requests": reset_running_requests, "reset_external": reset_external}
+        answers = await to_every_replica(self.engine, "reset_prefix_cache", body)
+        for _ in range(RESET_TRIES - 1):
+            again = [uid for uid, a in answers.items() if a.get("success") is not True]
+            if not again:
+                break
+            await asyncio.sleep(RESET_RETRY_S)
+            answers.update(await to_every_replica(self.engine, "reset_prefix_cache", body, again))
         ok = bool(answers) and all(a.get("success") is True for a in answers.values())
         return {"success": ok, "replicas": answers}
 

@@ -309,7 +309,7 @@ def test_reset_prefix_cache_clears_every_engine_and_every_index(app):
     r = httpx.post(f"{app.base_url}/reset_prefix_cache", timeout=120)
     assert r.status_code == 200, r.text
     answer = r.json()
-    assert answer["success"] is True and sorted(answer["replicas"]) == sorted(routing(app)["subscribed"])
+    assert answer["success"] is True and sorted(answer["replicas"]) == sorted(routing(app)["subscribed"]), answer
     deadline = time.monotonic() + 10  # AllBlocksCleared reaches the router through each relay
     while any(routing(app)["replica_blocks"].values()) and time.monotonic() < deadline:
         time.sleep(0.2)
