@@ -17,7 +17,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install model serve drain status test test-unit test-engine test-asan lint bench soak ab sim clean system-deps build-deps
+.PHONY: install model serve drain status test test-unit test-engine test-asan lint bench serving-overhead soak ab sim clean system-deps build-deps
 
 install: build-deps $(STAMP)
 
@@ -111,6 +111,14 @@ lint: install
 bench: install
 	$(PY) -m bench.router_overhead --json reports/router_overhead.json
 	$(PY) -m bench.owner_loop --json reports/owner_loop.json
+
+# The framework's own cost beside vLLM's server: one engine each, the same streamed requests alternating
+# in one run (TTFT, the gap between tokens, requests/s at 8 and 32 streams, CPU per request by process).
+# About 6 minutes. Report: reports/serving_overhead/ (JSON, PNG). Loopback only (ports 18300, 18301).
+# Before/after the serving path's settings: SERVING_OVERHEAD_ARGS="--app-env RAY_SERVE_ENABLE_HA_PROXY=0 RAY_SERVE_THROUGHPUT_OPTIMIZED=0"
+SERVING_OVERHEAD_ARGS ?=
+serving-overhead: install model
+	$(PY) -m bench.serving_overhead --out reports/serving_overhead $(SERVING_OVERHEAD_ARGS)
 
 # A/B load experiment of the request routers (ours, Serve's power-of-two-choices, round-robin,
 # Ray's PrefixCacheAffinityRouter) on the engines of serve_config.yaml, the same Locust load each.

@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-import time
 from typing import Any
 
 import httpx
 import pytest
 
+from bench import vllm_server
 from tests.conftest import REPO, deep_update, default_config, start_app, stop_all
 
 pytestmark = pytest.mark.engine
@@ -41,23 +40,7 @@ APP_OVERRIDES = {"engine_replicas": {"num_replicas": 1},
 
 def vllm_server_command() -> list[str]:
     """vLLM's server with the engine and serving arguments the app runs with here."""
-    args = deep_update(default_config()["args"], APP_OVERRIDES)
-    engine, serving = args["engine"], args.get("serving", {})
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(REPO / args["model"]),
-           "--served-model-name", args["served_model_name"], "--host", "127.0.0.1", "--port", str(VLLM_PORT),
-           "--block-size", str(engine["block_size"]), "--max-model-len", str(engine["max_model_len"]),
-           "--gpu-memory-utilization", str(engine["gpu_memory_utilization"]),
-           "--num-gpu-blocks-override", str(engine["num_gpu_blocks_override"]),
-           "--max-num-seqs", str(engine["max_num_seqs"]), "--enable-prefix-caching", "--enforce-eager",
-           "--seed", "0", "--enable-prompt-tokens-details"]
-    if serving.get("enable_auto_tool_choice"):
-        cmd.append("--enable-auto-tool-choice")
-    if serving.get("tool_call_parser"):
-        cmd += ["--tool-call-parser", serving["tool_call_parser"]]
-    if serving.get("lora_modules"):
-        cmd += ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1", "--lora-modules",
-                *(f"{m['name']}={REPO / m['path']}" for m in serving["lora_modules"])]
-    return cmd
+    return vllm_server.command(deep_update(default_config()["args"], APP_OVERRIDES), VLLM_PORT)
 
 
 @pytest.fixture(scope="module")
@@ -67,31 +50,15 @@ def servers(tmp_path_factory):
     tiny_lora.build(REPO / "models" / "tiny-qwen2-lora", REPO / "models" / "tiny-qwen2")  # no-op when built
     log = open(tmp_path_factory.mktemp("vllm") / "server.log", "w")
     # vLLM keeps Responses only with its store on (the app's is on by default); its reset route is a dev route.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_RESPONSES_API_STORE": "1",
-           "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    env = vllm_server.env(VLLM_ENABLE_RESPONSES_API_STORE="1", VLLM_SERVER_DEV_MODE="1",
+                          VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
     proc = subprocess.Popen(vllm_server_command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     try:
         app = start_app(APP_OVERRIDES, name="prefix-serve")
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, f"vLLM's server exited ({proc.returncode}); see {log.name}"
-            try:
-                if httpx.get(f"{VLLM_URL}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "vLLM's server did not start"
-            time.sleep(1)
-        # A longer prompt first: a fresh CPU engine may die on a tiny first prompt (SIGILL).
-        warm = {"model": MODEL, "prompt": LONG_TEXT, "max_tokens": 1}
-        assert httpx.post(f"{VLLM_URL}/v1/completions", json=warm, timeout=120).status_code == 200
+        vllm_server.wait_ready(proc, VLLM_URL, MODEL, log.name)
         yield app.base_url, VLLM_URL
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        vllm_server.stop(proc)
         log.close()
         stop_all()
 

@@ -1,0 +1,495 @@
+"""The framework's own cost, side by side with vLLM's server: one engine each, one run.
+
+::
+
+    python -m bench.serving_overhead --out reports/serving_overhead      # or: make serving-overhead
+
+starts the app (``serve run`` of ``serve_config.yaml`` with ONE engine replica, on
+``--app-port``) and vLLM's own OpenAI server (``bench.vllm_server``: the same model,
+engine and serving flags, on ``--vllm-port``), then sends both the same requests,
+alternating, in one run:
+
+- streamed token-id completions, a fresh ``--prompt-tokens`` prompt each under its own
+  ``cache_salt`` (nothing is cached), ``--max-tokens`` output tokens with ``ignore_eos``;
+- ``--unloaded`` requests one at a time, alternating app / vLLM request by request, each
+  after ``--settle-s`` idle seconds (vLLM's worker busy-polls for 1 s after its last step: on
+  a small machine one server's spinning worker would slow the other's requests);
+- then, for each of ``--concurrency`` (default 8 and 32 streams), ``--requests`` per
+  server in two rounds of half as many, ordered app, vLLM then vLLM, app (drift cancels).
+
+It counts the CPU seconds (user + system, ``/proc`` through psutil) of each server's
+whole process tree: for the app everything ``serve run`` started (Ray's own processes,
+the Serve proxy, the ingress, the engine replica, vLLM's engine core and worker), for
+vLLM its API server and engine core. Printed, written to ``<out>/serving_overhead.json``
+and drawn in ``<out>/serving_overhead.png``:
+
+- TTFT p50 / p90 unloaded (to the first streamed token), ms;
+- the mean gap between streamed tokens (every gap of every request after its first token), ms;
+- requests/s and output tokens/s at each concurrency;
+- CPU per request and per output token, whole tree and by process kind (where the time
+  goes, hop by hop: Serve proxy, ingress, engine replica, engine core, worker, Ray);
+- the ratios the serving path is held to (issue 34): gap <= 1.15x vLLM's, TTFT p50 <=
+  vLLM's + 15 ms, requests/s at 8 streams >= 0.85x, CPU per request <= 1.5x.
+
+Loopback only; Linux. Absolute numbers drift with the machine (2x from hour to hour on a
+shared one): compare the ratios, which come from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import yaml
+
+from bench import vllm_server
+from bench.stats import percentile
+from infra import ray_env
+
+REPO = vllm_server.REPO
+APP, VLLM = "app", "vllm"
+KINDS = (("haproxy", "haproxy"), ("proxy", "ProxyActor"), ("ingress", "OpenAIIngress"),
+         ("engine_replica", "VLLMEngine"), ("engine_core", "VLLM::EngineCore"), ("worker", "VLLM::Worker"),
+         ("api_server", "api_server"), ("serve_controller", "ServeController"))
+"""Process kinds by a string of their command line, first match wins; the rest of a tree is ``ray``
+(the app: GCS, raylet, Serve controller, dashboard) or ``other``."""
+TARGETS = {"itl_ratio": 1.15, "ttft_p50_delta_ms": 15.0, "rps_ratio_8": 0.85, "cpu_ratio": 1.5}
+"""The serving path's targets against vLLM's server (issue 34)."""
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------- CPU of a process tree
+
+def _kind(cmd: str, app: bool) -> str:
+    for name, needle in KINDS:
+        if needle in cmd:
+            return name
+    return "ray" if app else "other"
+
+
+def tree_cpu(root_pid: int, app: bool) -> dict[str, float]:
+    """CPU seconds (user + system) so far of ``root_pid`` and every descendant, by process kind
+    (``KINDS``), plus ``"total"``. Processes that exited are not counted (a run's servers keep theirs)."""
+    out: dict[str, float] = {"total": 0.0}
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            cmd = " ".join(p.cmdline()) or p.name()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        secs = t.user + t.system
+        kind = _kind(cmd, app)
+        out[kind] = out.get(kind, 0.0) + secs
+        out["total"] += secs
+    return out
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: max(0.0, v - before.get(k, 0.0)) for k, v in after.items()}
+
+
+# ---------------------------------------------------------------- the load
+
+@dataclass
+class Sample:
+    """One streamed request: seconds from send to each token chunk, and its outcome."""
+
+    ok: bool = False
+    error: str = ""
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def gaps(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+
+def body(model: str, prompt_tokens: int, max_tokens: int, vocab: int = 900) -> dict[str, Any]:
+    """A fresh token-id prompt under its own ``cache_salt``: nothing of it is cached anywhere."""
+    salt = uuid.uuid4().hex
+    seed = int(salt[:8], 16)
+    prompt = [10 + (seed + 7919 * k) % vocab for k in range(prompt_tokens)]
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0.0, "cache_salt": salt}
+
+
+async def one(client: httpx.AsyncClient, url: str, payload: dict[str, Any]) -> Sample:
+    """Send one streamed completion; every ``data:`` event with a choice is one token chunk."""
+    s = Sample()
+    t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=payload) as r:
+            if r.status_code != 200:
+                s.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return s
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue  # keepalive comments, blank separators
+                if line == "data: [DONE]":
+                    s.ok = True
+                    break
+                if '"choices":[{' in line.replace(" ", ""):
+                    s.token_times.append(time.perf_counter() - t0)
+                elif '"error"' in line:
+                    s.error = line[:200]
+                    return s
+    except httpx.HTTPError as e:
+        s.error = repr(e)
+    return s
+
+
+async def block(url: str, model: str, n: int, concurrency: int, prompt_tokens: int, max_tokens: int,
+                timeout_s: float) -> tuple[list[Sample], float]:
+    """``n`` requests with ``concurrency`` in flight; (samples, wall seconds first send to last end)."""
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    samples: list[Sample] = []
+    queue = list(range(n))
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        async def worker() -> None:
+            while queue:
+                queue.pop()
+                samples.append(await one(client, url, body(model, prompt_tokens, max_tokens)))
+
+        t0 = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(concurrency))), timeout_s * max(1, n))
+        return samples, time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- the servers
+
+def app_config(base: Path, port: int) -> dict[str, Any]:
+    """``serve_config.yaml`` with one engine replica, on ``port``."""
+    cfg = yaml.safe_load(base.read_text())
+    cfg = copy.deepcopy(cfg)
+    cfg["http_options"] = {**cfg.get("http_options", {}), "host": "127.0.0.1", "port": port}
+    app = cfg["applications"][0]
+    app["args"]["engine_replicas"]["num_replicas"] = 1
+    app["args"]["engine_replicas"].pop("autoscaling", None)
+    return cfg
+
+
+class Servers:
+    """The app (``serve run``) and vLLM's server, started side by side; stopped on exit."""
+
+    def __init__(self, config: Path, app_port: int, vllm_port: int, workdir: Path,
+                 app_env: dict[str, str] | None = None):
+        self.cfg = app_config(config, app_port)
+        self.args = self.cfg["applications"][0]["args"]
+        self.model = self.args["served_model_name"]
+        self.urls = {APP: f"http://127.0.0.1:{app_port}", VLLM: f"http://127.0.0.1:{vllm_port}"}
+        self.vllm_port = vllm_port
+        self.workdir = workdir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Any] = {}
+        self.app_env = app_env or {}
+
+    def __enter__(self) -> Servers:
+        cfg_path = self.workdir / "serve_config.json"
+        cfg_path.write_text(json.dumps(self.cfg))
+        for name in (APP, VLLM):
+            self.logs[name] = open(self.workdir / f"{name}.log", "w")
+        log(f"starting vLLM's server on {self.urls[VLLM]} and the app (serve run, 1 engine replica) on "
+            f"{self.urls[APP]}; logs in {self.workdir}")
+        self.procs[VLLM] = subprocess.Popen(vllm_server.command(self.args, self.vllm_port), cwd=REPO,
+                                            env=vllm_server.env(), stdout=self.logs[VLLM],
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        serve = str(Path(sys.executable).with_name("serve"))
+        # SIGINT stops `serve run` cleanly; a shell that started this in the background ignores SIGINT, and
+        # children inherit that: restore the default.
+        self.procs[APP] = subprocess.Popen([serve, "run", str(cfg_path)], cwd=REPO, stdout=self.logs[APP],
+                                           stderr=subprocess.STDOUT, start_new_session=True,
+                                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                                           env=ray_env.apply({**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+                                                                  "HF_HUB_OFFLINE": "1", **self.app_env}))
+        try:
+            vllm_server.wait_ready(self.procs[VLLM], self.urls[VLLM], self.model, self.logs[VLLM].name)
+            log("vLLM's server is ready")
+            self._wait_app()
+            log("the app is ready")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _wait_app(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.procs[APP].poll() is not None:
+                raise RuntimeError(f"serve run exited ({self.procs[APP].returncode}); see {self.logs[APP].name}")
+            try:
+                if httpx.get(f"{self.urls[APP]}/ready", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"the app was not ready in {timeout_s:g} s; see {self.logs[APP].name}")
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT if name == APP else signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for f in self.logs.values():
+            f.close()
+
+
+# ---------------------------------------------------------------- the run
+
+def summarize(samples: list[Sample], wall_s: float | None, cpu: dict[str, float] | None) -> dict[str, Any]:
+    ok = [s for s in samples if s.ok]
+    tokens = sum(len(s.token_times) for s in ok)
+    gaps = [g for s in ok for g in s.gaps]
+    ttfts = [s.ttft for s in ok if s.ttft is not None]
+    out: dict[str, Any] = {
+        "requests": len(samples), "failed": len(samples) - len(ok), "output_tokens": tokens,
+        "errors": sorted({s.error for s in samples if s.error})[:5],
+        "ttft_ms": {"p50": percentile(ttfts, 50, None), "p90": percentile(ttfts, 90, None)},
+        "itl_mean_ms": sum(gaps) / len(gaps) if gaps else None,
+        "itl_p50_ms": percentile(gaps, 50, None),
+    }
+    for k in ("p50", "p90"):
+        if out["ttft_ms"][k] is not None:
+            out["ttft_ms"][k] *= 1e3
+    for k in ("itl_mean_ms", "itl_p50_ms"):
+        if out[k] is not None:
+            out[k] *= 1e3
+    if wall_s:
+        out["wall_s"] = wall_s
+        out["requests_per_s"] = len(ok) / wall_s
+        out["output_tokens_per_s"] = tokens / wall_s
+    if cpu is not None:
+        out["cpu_s"] = cpu
+        out["cpu_ms_per_request"] = {k: v * 1e3 / max(1, len(ok)) for k, v in cpu.items()}
+        out["cpu_ms_per_output_token"] = cpu["total"] * 1e3 / max(1, tokens)
+    return out
+
+
+def _merge(parts: list[tuple[list[Sample], float, dict[str, float]]]) -> tuple[list[Sample], float, dict[str, float]]:
+    samples = [s for p in parts for s in p[0]]
+    wall = sum(p[1] for p in parts)
+    cpu: dict[str, float] = {}
+    for p in parts:
+        for k, v in p[2].items():
+            cpu[k] = cpu.get(k, 0.0) + v
+    return samples, wall, cpu
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="serving_overhead-"))
+    result: dict[str, Any] = {"config": {k: v for k, v in vars(args).items()}, "started": time.strftime("%FT%T%z")}
+    app_env = dict(kv.split("=", 1) for kv in args.app_env)
+    with Servers(Path(args.config), args.app_port, args.vllm_port, workdir, app_env) as servers:
+        model = servers.model
+
+        def go(name: str, n: int, conc: int) -> tuple[list[Sample], float, dict[str, float]]:
+            # vLLM's worker busy-polls its message queue for 1 s after its last step (shm_broadcast's
+            # busy_loop_s): on a small machine the other server's spinning worker would slow this one's
+            # requests. Each block starts once both have been idle that long.
+            time.sleep(args.settle_s)
+            pid = servers.procs[name].pid
+            before = tree_cpu(pid, name == APP)
+            samples, wall = asyncio.run(block(servers.urls[name], model, n, conc, args.prompt_tokens,
+                                              args.max_tokens, args.timeout_s))
+            return samples, wall, _delta(tree_cpu(pid, name == APP), before)
+
+        log("warm-up, not counted: each server 8 requests one at a time, then at every concurrency")
+        for name in (APP, VLLM):  # the first batches of each size are slow on a fresh engine (kernels, caches)
+            for conc in (1, *args.concurrency):
+                go(name, max(8, 2 * conc), conc)
+        log(f"unloaded: {args.unloaded} requests each, one at a time, alternating")
+        unloaded: dict[str, list[Sample]] = {APP: [], VLLM: []}
+        for i in range(2 * args.unloaded):
+            name = (APP, VLLM)[i % 2]
+            unloaded[name] += go(name, 1, 1)[0]
+            if (i + 1) % 20 == 0:
+                log(f"  {i + 1} / {2 * args.unloaded}")
+        result["unloaded"] = {name: summarize(s, None, None) for name, s in unloaded.items()}
+        result["loaded"] = {}
+        for conc in args.concurrency:
+            half = max(1, args.requests // 2)
+            parts: dict[str, list] = {APP: [], VLLM: []}
+            for order in ((APP, VLLM), (VLLM, APP)):
+                for name in order:
+                    log(f"{conc} streams: {half} requests to {name}")
+                    parts[name].append(go(name, half, conc))
+            result["loaded"][str(conc)] = {name: summarize(*_merge(p)) for name, p in parts.items()}
+    result["ratios"] = ratios(result)
+    (out_dir / "serving_overhead.json").write_text(json.dumps(result, indent=2))
+    print(table(result))
+    plot(result, out_dir / "serving_overhead.png")
+    log(f"wrote {out_dir / 'serving_overhead.json'} and {out_dir / 'serving_overhead.png'}")
+    return result
+
+
+def _r(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def ratios(result: dict[str, Any]) -> dict[str, Any]:
+    """The app against vLLM's server: the targets' four figures, and whether each is met."""
+    u, loaded = result["unloaded"], result["loaded"]
+    first = loaded.get("8") or next(iter(loaded.values()))
+    cpu = [_r(loaded[c][APP]["cpu_ms_per_request"]["total"], loaded[c][VLLM]["cpu_ms_per_request"]["total"])
+           for c in loaded]
+    out: dict[str, Any] = {
+        "itl_ratio": _r(u[APP]["itl_mean_ms"], u[VLLM]["itl_mean_ms"]),
+        "itl_ratio_loaded": {c: _r(loaded[c][APP]["itl_mean_ms"], loaded[c][VLLM]["itl_mean_ms"]) for c in loaded},
+        "ttft_p50_delta_ms": (u[APP]["ttft_ms"]["p50"] - u[VLLM]["ttft_ms"]["p50"])
+        if u[APP]["ttft_ms"]["p50"] is not None and u[VLLM]["ttft_ms"]["p50"] is not None else None,
+        "rps_ratio_8": _r(first[APP].get("requests_per_s"), first[VLLM].get("requests_per_s")),
+        "rps_ratio": {c: _r(loaded[c][APP].get("requests_per_s"), loaded[c][VLLM].get("requests_per_s"))
+                      for c in loaded},
+        "cpu_ratio": max((c for c in cpu if c is not None), default=None),
+        "cpu_ratio_by_concurrency": dict(zip(loaded, cpu, strict=True)),
+    }
+    met = {}
+    for k, target in TARGETS.items():
+        v = out[k]
+        met[k] = None if v is None else (v >= target if k == "rps_ratio_8" else v <= target)
+    out["met"] = met
+    return out
+
+
+def _f(v: Any, fmt: str = "{:.1f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def table(result: dict[str, Any]) -> str:
+    u, loaded, r = result["unloaded"], result["loaded"], result["ratios"]
+    rows = [("", "the app", "vLLM's server", "ratio / delta"),
+            ("TTFT p50 unloaded (ms)", _f(u[APP]["ttft_ms"]["p50"]), _f(u[VLLM]["ttft_ms"]["p50"]),
+             "+" + _f(r["ttft_p50_delta_ms"]) + " ms"),
+            ("TTFT p90 unloaded (ms)", _f(u[APP]["ttft_ms"]["p90"]), _f(u[VLLM]["ttft_ms"]["p90"]), ""),
+            ("mean token gap unloaded (ms)", _f(u[APP]["itl_mean_ms"], "{:.2f}"), _f(u[VLLM]["itl_mean_ms"], "{:.2f}"),
+             _f(r["itl_ratio"], "{:.2f}x"))]
+    for c, d in loaded.items():
+        a, v = d[APP], d[VLLM]
+        rows += [(f"{c} streams: requests/s", _f(a.get("requests_per_s"), "{:.2f}"),
+                  _f(v.get("requests_per_s"), "{:.2f}"), _f(r["rps_ratio"][c], "{:.2f}x")),
+                 (f"{c} streams: output tokens/s", _f(a.get("output_tokens_per_s")), _f(v.get("output_tokens_per_s")),
+                  ""),
+                 (f"{c} streams: mean token gap (ms)", _f(a["itl_mean_ms"], "{:.2f}"), _f(v["itl_mean_ms"], "{:.2f}"),
+                  _f(r["itl_ratio_loaded"][c], "{:.2f}x")),
+                 (f"{c} streams: CPU per request (ms)", _f(a["cpu_ms_per_request"]["total"]),
+                  _f(v["cpu_ms_per_request"]["total"]), _f(r["cpu_ratio_by_concurrency"][c], "{:.2f}x")),
+                 (f"{c} streams: CPU per output token (ms)", _f(a["cpu_ms_per_output_token"], "{:.2f}"),
+                  _f(v["cpu_ms_per_output_token"], "{:.2f}"), ""),
+                 (f"{c} streams: failed", str(a["failed"]), str(v["failed"]), "")]
+        hops = ", ".join(f"{k} {x:.1f}" for k, x in sorted(a["cpu_ms_per_request"].items(), key=lambda kv: -kv[1])
+                         if k != "total")
+        vhops = ", ".join(f"{k} {x:.1f}" for k, x in sorted(v["cpu_ms_per_request"].items(), key=lambda kv: -kv[1])
+                          if k != "total")
+        rows.append((f"{c} streams: CPU ms/request by process", hops, vhops, ""))
+    w = [max(len(row[i]) for row in rows if len(row[i]) < 60) for i in range(4)]
+    lines = ["  ".join(cell.ljust(w[i]) for i, cell in enumerate(row)) for row in rows]
+    met = r["met"]
+    lines.append("targets: " + ", ".join(f"{k} {'met' if m else 'MISSED' if m is not None else '-'}"
+                                         for k, m in met.items()))
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Left: the four targets as app / vLLM ratios (TTFT as a delta in ms on its own axis); right: CPU
+    per request by process kind at each concurrency, the app's stacked beside vLLM's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r, loaded = result["ratios"], result["loaded"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    names = ["token gap\n(unloaded)", *[f"req/s\n({c} streams)" for c in loaded],
+             *[f"CPU/request\n({c} streams)" for c in loaded]]
+    values = [r["itl_ratio"], *[r["rps_ratio"][c] for c in loaded], *[r["cpu_ratio_by_concurrency"][c] for c in loaded]]
+    limits = [TARGETS["itl_ratio"], *([TARGETS["rps_ratio_8"]] * len(loaded)), *([TARGETS["cpu_ratio"]] * len(loaded))]
+    x = range(len(names))
+    ax1.bar(x, [v or 0 for v in values], color=["tab:blue"] * len(values))
+    for i, (v, lim) in enumerate(zip(values, limits, strict=True)):
+        ax1.plot([i - 0.4, i + 0.4], [lim, lim], color="tab:red", lw=2)
+        ax1.text(i, (v or 0) + 0.03, _f(v, "{:.2f}x"), ha="center")
+    ax1.axhline(1.0, color="gray", ls=":", lw=1)
+    ax1.set_xticks(list(x), names, fontsize=8)
+    ax1.set_ylabel("the app / vLLM's server (red: target)")
+    ax1.set_title(f"ratios to vLLM's server; TTFT p50 unloaded +{_f(r['ttft_p50_delta_ms'])} ms "
+                  f"(target +{TARGETS['ttft_p50_delta_ms']:g})", fontsize=9)
+    kinds = sorted({k for c in loaded for n in (APP, VLLM) for k in loaded[c][n]["cpu_ms_per_request"]} - {"total"})
+    pos, labels = [], []
+    for i, c in enumerate(loaded):
+        for j, n in enumerate((APP, VLLM)):
+            p = i * 3 + j
+            pos.append(p)
+            labels.append(f"{n}\n{c} streams")
+            bottom = 0.0
+            for k_i, k in enumerate(kinds):
+                v = loaded[c][n]["cpu_ms_per_request"].get(k, 0.0)
+                ax2.bar(p, v, bottom=bottom, color=plt.cm.tab10(k_i % 10), label=k if (i, j) == (0, 0) else None)
+                bottom += v
+            ax2.text(p, bottom + 1, f"{bottom:.0f}", ha="center", fontsize=8)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=plt.cm.tab10(i % 10)) for i in range(len(kinds))]
+    ax2.legend(handles, kinds, fontsize=8)
+    ax2.set_xticks(pos, labels, fontsize=8)
+    ax2.set_ylabel("CPU ms per request")
+    ax2.set_title(f"CPU per request by process ({result['config']['prompt_tokens']}-token prompts, "
+                  f"{result['config']['max_tokens']} output tokens)", fontsize=9)
+    fig.suptitle("the app (1 engine replica) vs vLLM's OpenAI server (1 engine), one run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(REPO / "serve_config.yaml"), help="the app's Serve config (1 engine used)")
+    ap.add_argument("--out", default="reports/serving_overhead")
+    ap.add_argument("--app-port", type=int, default=18300)
+    ap.add_argument("--vllm-port", type=int, default=18301)
+    ap.add_argument("--prompt-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--unloaded", type=int, default=30, help="requests one at a time, each server")
+    ap.add_argument("--requests", type=int, default=160, help="requests at each concurrency, each server")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--app-env", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="extra environment of `serve run` (and so of the Ray cluster it starts)")
+    ap.add_argument("--settle-s", type=float, default=1.5,
+                    help="idle seconds before each block and each unloaded request (vLLM's worker spins 1 s)")
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="one request's limit")
+    args = ap.parse_args(argv)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

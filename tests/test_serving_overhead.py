@@ -1,0 +1,66 @@
+"""``bench.serving_overhead``'s arithmetic: token gaps, TTFT, rates, CPU per request and the targets' ratios."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench import serving_overhead as so
+
+
+def sample(times: list[float], ok: bool = True) -> so.Sample:
+    return so.Sample(ok=ok, token_times=times)
+
+
+def test_summary_reads_ttft_every_gap_and_rates_from_the_token_times():
+    a = sample([0.010, 0.012, 0.016])  # gaps 2 ms, 4 ms
+    b = sample([0.030, 0.036])  # gap 6 ms
+    failed = sample([0.5], ok=False)
+    out = so.summarize([a, b, failed], wall_s=2.0, cpu={"total": 0.5, "ingress": 0.1})
+    assert out["requests"] == 3 and out["failed"] == 1 and out["output_tokens"] == 5
+    assert out["ttft_ms"]["p50"] == pytest.approx(20.0)  # the median of 10 ms and 30 ms
+    assert out["itl_mean_ms"] == pytest.approx(4.0)  # (2 + 4 + 6) / 3: every gap of every answer counts once
+    assert out["requests_per_s"] == pytest.approx(1.0)  # 2 answered in 2 s
+    assert out["output_tokens_per_s"] == pytest.approx(2.5)
+    assert out["cpu_ms_per_request"] == {"total": pytest.approx(250.0), "ingress": pytest.approx(50.0)}
+    assert out["cpu_ms_per_output_token"] == pytest.approx(100.0)
+
+
+def _side(ttft_ms: float, itl_ms: float, rps: float, cpu_ms: float) -> dict:
+    return {"ttft_ms": {"p50": ttft_ms, "p90": ttft_ms}, "itl_mean_ms": itl_ms, "requests_per_s": rps,
+            "cpu_ms_per_request": {"total": cpu_ms}}
+
+
+def test_ratios_are_the_apps_over_vllms_and_each_target_is_judged_on_its_own_side():
+    result = {"unloaded": {so.APP: _side(30.0, 3.3, 0, 0), so.VLLM: _side(20.0, 3.0, 0, 0)},
+              "loaded": {"8": {so.APP: _side(0, 3.0, 9.0, 60.0), so.VLLM: _side(0, 3.0, 10.0, 50.0)},
+                         "32": {so.APP: _side(0, 5.0, 20.0, 40.0), so.VLLM: _side(0, 4.0, 40.0, 20.0)}}}
+    r = so.ratios(result)
+    assert r["itl_ratio"] == pytest.approx(1.1)
+    assert r["ttft_p50_delta_ms"] == pytest.approx(10.0)
+    assert r["rps_ratio_8"] == pytest.approx(0.9)
+    assert r["rps_ratio"]["32"] == pytest.approx(0.5)
+    assert r["cpu_ratio_by_concurrency"] == {"8": pytest.approx(1.2), "32": pytest.approx(2.0)}
+    assert r["cpu_ratio"] == pytest.approx(2.0)  # the worse concurrency is the one judged
+    assert r["met"] == {"itl_ratio": True, "ttft_p50_delta_ms": True, "rps_ratio_8": True, "cpu_ratio": False}
+
+
+def test_tree_cpu_counts_this_process_and_its_children_by_kind():
+    cpu = so.tree_cpu(os.getpid(), app=False)
+    assert cpu["total"] > 0
+    assert cpu["total"] == pytest.approx(sum(v for k, v in cpu.items() if k != "total"))
+    assert so.tree_cpu(2 ** 22 + 12345, app=True) == {"total": 0.0}  # no such process: nothing
+
+
+def test_the_report_prints_and_draws(tmp_path):
+    result = {"config": {"prompt_tokens": 96, "max_tokens": 32},
+              "unloaded": {so.APP: so.summarize([sample([0.02, 0.025])], None, None),
+                           so.VLLM: so.summarize([sample([0.01, 0.013])], None, None)},
+              "loaded": {"8": {n: so.summarize([sample([0.02, 0.03])], 1.0, {"total": 0.1, "worker": 0.05})
+                               for n in (so.APP, so.VLLM)}}}
+    result["ratios"] = so.ratios(result)
+    text = so.table(result)
+    assert "TTFT p50 unloaded" in text and "+10.0 ms" in text and "targets:" in text
+    so.plot(result, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 10_000
