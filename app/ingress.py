@@ -40,6 +40,7 @@ catches Ray's ``RayTaskError(OpenAIError)`` with ``except OpenAIError``; see
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -56,6 +57,9 @@ from app.http_app import fastapi_app, read_body
 from app.ingress_targets import Announcer
 from app.prepare import CANCEL, CHAT, CHAT_BATCH, COMPLETION, MESSAGES, RESPONSES, RETRIEVE
 from app.serving import DIALECTS, OpenAIServing
+from infra import ray_env
+
+logger = logging.getLogger("prefix_serve.ingress")
 
 ROUTES = {CHAT: "/v1/chat/completions", CHAT_BATCH: "/v1/chat/completions/batch", COMPLETION: "/v1/completions",
           RESPONSES: "/v1/responses", RETRIEVE: "/v1/responses/{response_id}",
@@ -83,6 +87,11 @@ class OpenAIIngress(AdminRoutes):
                                    metrics_server.start(node_address.resolve(),
                                                         before_scrape=metrics.refresh_router_gauges))
         quiet_client_errors()  # a handle caller's 4xx: no traceback in this replica's log
+        if not ray_env.fast_path_active():
+            logger.warning("this Ray cluster runs Serve's Python proxy and thread hops on the token path (about "
+                           "twice the cost per streamed token): start it with %s in its environment (`make serve` "
+                           "does; see docs/architecture.md, 'The serving path')",
+                           " ".join(f"{k}={v}" for k, v in ray_env.SERVING_PATH_ENV.items()))
         for route in ROUTES.values():
             for status in results.STATUSES:
                 metrics.REQUESTS.labels(route=route, status=status)

