@@ -226,7 +226,11 @@ class Servers:
                                            stderr=subprocess.STDOUT, start_new_session=True,
                                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                                            env=ray_env.apply({**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-                                                                  "HF_HUB_OFFLINE": "1", **self.app_env}))
+                                                                  "HF_HUB_OFFLINE": "1",
+                                                                  # HAProxy's fixed ports, clear of `make serve`'s:
+                                                                  "RAY_SERVE_HAPROXY_STATS_PORT": "18405",
+                                                                  "RAY_SERVE_HAPROXY_METRICS_PORT": "19102",
+                                                                  **self.app_env}))
         try:
             vllm_server.wait_ready(self.procs[VLLM], self.urls[VLLM], self.model, self.logs[VLLM].name)
             log("vLLM's server is ready")

@@ -34,8 +34,16 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Keep every socket of the test cluster on loopback: Ray's node address, and the
 # engines' KV-event and metrics endpoints (which bind VLLM_HOST_IP).
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-# The Ray clusters the tests start run the serving path `make serve` runs (HAProxy, direct ingress).
+# The Ray clusters the tests start run the serving path `make serve` runs (HAProxy, direct ingress): the
+# settings go into this environment, which the cluster's processes inherit. This process is a client of that
+# cluster like a user's driver, with Serve's defaults: its Serve constants are read before the settings are
+# set (under Ray's throughput settings a handle must be used inside a running event loop).
+import ray.serve._private.constants  # noqa: E402,F401 - read now, without the settings
+
 ray_env.apply()
+# HAProxy's stats and metrics ports are fixed per machine: the tests' own, so `make serve` may run beside them.
+os.environ.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
+os.environ.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", "19101")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -460,7 +460,8 @@ def test_4090_clusters_start_ray_with_the_serving_path_settings_on_every_node():
         for container in pod["spec"]["containers"]:
             assert {e["name"]: e["value"] for e in container.get("env", [])}.items() >= want.items(), container["name"]
     launcher = yaml.safe_load((REPO / "infra" / "cluster.4090.yaml").read_text())
-    starts = [c for c in launcher["head_start_ray_commands"] + launcher["worker_start_ray_commands"] if "ray start" in c]
+    commands = launcher["head_start_ray_commands"] + launcher["worker_start_ray_commands"]
+    starts = [c for c in commands if "ray start" in c]
     assert len(starts) == 2
     for command in starts:
         for key, value in want.items():

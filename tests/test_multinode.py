@@ -19,10 +19,12 @@ counted by status in the ingresses' own metrics, the dead replicas leave every
 router, and Serve's replacements on node C (added before the loss, with room for two
 engines) are followed and get prefix hits.
 
-On one machine the Serve proxy (one, on the head: ``proxy_location: HeadOnly``, since
-proxies on every node would share one port here) would send every request to the
-head's own ingress (Serve prefers a proxy's local node), so the test turns that
-preference off (``RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING=0``) to reach both ingresses.
+HAProxy (one, on the head: ``proxy_location: HeadOnly``, since proxies on every node
+would share one port here) forwards each request to an ingress replica's own HTTP
+server at its node's address, so the app binds ``0.0.0.0`` (traffic still goes to
+loopback addresses only). Serve's Python proxy, HAProxy's fallback, would send every
+request to the head's own ingress (Serve prefers a proxy's local node), so the test
+turns that preference off (``RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING=0``).
 The cluster keeps its files under its own ``RAY_TMPDIR``, so its address file never
 points another Ray user of this machine at it; its GCS is on ``GCS_PORT``, its proxy
 on ``HTTP_PORT``.
@@ -129,7 +131,9 @@ def deploy() -> RunningApp:
     entry = default_config()
     entry["args"] = deep_update(entry["args"], ARGS)
     entry["runtime_env"] = {"env_vars": {"VLLM_HOST_IP": CLUSTER_WIDE_HOST_IP}}
-    http = {"host": "127.0.0.1", "port": HTTP_PORT}
+    # HAProxy (infra.ray_env) forwards to each ingress replica's own HTTP server at its node's address
+    # (127.0.0.x here), and a replica binds http_options.host: loopback alone would refuse node B's.
+    http = {"host": "0.0.0.0", "port": HTTP_PORT}
     config = ServeDeploySchema.model_validate({"proxy_location": "HeadOnly", "http_options": http,
                                                "applications": [entry]})
     serve_api.serve_start(http_options=http, proxy_location="HeadOnly").deploy_apps(config, _blocking=False)
@@ -278,8 +282,11 @@ def test_each_replica_binds_and_announces_its_own_node_address(mn):
             assert hostport.rsplit(":", 1)[0] == where[uid] != CLUSTER_WIDE_HOST_IP, (path, uid, hostport)
             scrape = httpx.get(f"http://{hostport}/metrics", timeout=30)
             assert scrape.status_code == 200 and series in scrape.text, (hostport, scrape.status_code)
-    # Each replica said which value it ignored (worker stderr; every node's logs are under one session).
-    logs = "".join(p.read_text(errors="replace") for p in Path(mn.tmp).glob("ray/session_*/logs/worker-*.err"))
+    # Each replica said which value it ignored (its Serve log file: with Ray's throughput settings replicas log
+    # to files only, infra.ray_env; or worker stderr without them; every node's logs are under one session).
+    session = Path(mn.tmp).glob("ray/session_*/logs")
+    logs = "".join(p.read_text(errors="replace") for d in session
+                   for p in [*d.glob("worker-*.err"), *d.glob("serve/replica_*.log")])
     assert logs.count(f"VLLM_HOST_IP={CLUSTER_WIDE_HOST_IP!r} is not this node's address") >= 5
 
 
