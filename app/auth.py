@@ -32,6 +32,11 @@ def configure(env_var: str, public_paths: frozenset[str] = frozenset()) -> bool:
     return _state["key"] is not None
 
 
+def required() -> bool:
+    """True if this process has a key configured (requests outside the public paths must carry it)."""
+    return _state["key"] is not None
+
+
 def rejection(path: str, authorization: str | None) -> tuple[dict, int] | None:
     """``(OpenAI error body, 401)`` if the request must be refused, else None."""
     key = _state["key"]
