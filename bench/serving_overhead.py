@@ -234,25 +234,12 @@ class Servers:
         try:
             vllm_server.wait_ready(self.procs[VLLM], self.urls[VLLM], self.model, self.logs[VLLM].name)
             log("vLLM's server is ready")
-            self._wait_app()
+            vllm_server.wait_http_ok(self.procs[APP], f"{self.urls[APP]}/ready", "serve run", self.logs[APP].name)
             log("the app is ready")
         except BaseException:
             self.__exit__()
             raise
         return self
-
-    def _wait_app(self, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.procs[APP].poll() is not None:
-                raise RuntimeError(f"serve run exited ({self.procs[APP].returncode}); see {self.logs[APP].name}")
-            try:
-                if httpx.get(f"{self.urls[APP]}/ready", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"the app was not ready in {timeout_s:g} s; see {self.logs[APP].name}")
 
     def __exit__(self, *exc: Any) -> None:
         for name, proc in self.procs.items():

@@ -49,24 +49,33 @@ def env(**extra: str) -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **extra}
 
 
+def wait_http_ok(proc: subprocess.Popen, url: str, what: str, log_name: str, timeout_s: float = 600.0) -> None:
+    """Wait until ``GET url`` answers 200 while ``proc`` (``what``, logging to ``log_name``) runs.
+
+    Raises:
+        RuntimeError: ``proc`` exited, or ``url`` did not answer 200 in ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode}); see {log_name}")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not answer {url} in {timeout_s:g} s; see {log_name}")
+        time.sleep(1)
+
+
 def wait_ready(proc: subprocess.Popen, url: str, model: str, log_name: str, timeout_s: float = 600.0) -> None:
     """Wait until the server at ``url`` answers ``/health``, then send it one longer prompt (see ``WARM_TEXT``).
 
     Raises:
         RuntimeError: the server exited (its log is ``log_name``) or did not answer in ``timeout_s``.
     """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM's server exited ({proc.returncode}); see {log_name}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"vLLM's server did not start in {timeout_s:g} s; see {log_name}")
-        time.sleep(1)
+    wait_http_ok(proc, f"{url}/health", "vLLM's server", log_name, timeout_s)
     r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": WARM_TEXT, "max_tokens": 1}, timeout=120)
     r.raise_for_status()
 
