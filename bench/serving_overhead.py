@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import json
 import os
 import signal
@@ -186,7 +185,6 @@ async def block(url: str, model: str, n: int, concurrency: int, prompt_tokens: i
 def app_config(base: Path, port: int) -> dict[str, Any]:
     """``serve_config.yaml`` with one engine replica, on ``port``."""
     cfg = yaml.safe_load(base.read_text())
-    cfg = copy.deepcopy(cfg)
     cfg["http_options"] = {**cfg.get("http_options", {}), "host": "127.0.0.1", "port": port}
     app = cfg["applications"][0]
     app["args"]["engine_replicas"]["num_replicas"] = 1
