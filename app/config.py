@@ -428,6 +428,10 @@ class AppArgs(_Strict):
     metrics_public: bool = Field(False, description="serve /metrics, /metrics/engines and /metrics/ingresses "
                                                     "without the API key")
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get HTTP 413")
+    stream_transport: Literal["zmq", "ray"] = Field(
+        "zmq", description="how a streamed answer's items go from the engine replica to the ingress: 'zmq', "
+                           "a socket from each engine replica to each ingress (app.stream_channel), or 'ray', "
+                           "through the Serve handle call, item by item")
 
     @field_validator("model", "tokenizer")
     @classmethod

@@ -24,6 +24,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from ray.exceptions import RayActorError
@@ -34,6 +35,7 @@ from app import metrics
 from app.errors import OpenAIError
 from app.protocol import Accepted, EngineRequest, EngineSummary, FirstOutput
 from app.results import Failed, from_vllm
+from app.stream_channel import Mailbox, StreamInbox
 
 logger = logging.getLogger("prefix_serve.ingress")
 MAX_ATTEMPTS = 3
@@ -75,9 +77,11 @@ def tell_routers_first_token(route_id: str) -> None:
 class Dispatcher:
     """Sends ``EngineRequest``s through the engine deployment's handle (see module doc)."""
 
-    def __init__(self, engine: DeploymentHandle, timeout_s: float):
+    def __init__(self, engine: DeploymentHandle, timeout_s: float, inbox: StreamInbox | None = None):
         self.engine = engine
         self.timeout_s = timeout_s
+        self.inbox = inbox  # streamed answers come here, not through the call (app.stream_channel)
+        self._pumps: set[asyncio.Task] = set()  # calls whose stream ended, left to return by themselves
 
     async def answer(self, kind: str, ereq: EngineRequest, span: Any, deadline: float) -> AsyncIterator[Any]:
         """The answer's items (see module doc), with TTFT/ITL/E2E and usage recorded.
@@ -125,10 +129,16 @@ class Dispatcher:
         in the engine, and ``OpenAIError`` 504 is raised.
         """
         base_id = ereq.request_id
+        channel = self.inbox is not None and bool(getattr(ereq.body, "stream", False))
         for attempt in range(1, MAX_ATTEMPTS + 1):
+            box = None
+            if channel:
+                assert self.inbox is not None
+                ereq.stream_to = self.inbox.address
+                box = self.inbox.open(ereq.route_id)
             call = _Call(getattr(self.engine.options(stream=True), kind).remote(ereq), deadline)
             try:
-                async for item in call.gen:
+                async for item in (call.gen if box is None else self._channel_items(call, box)):
                     call.seen(item)
                     yield item
                 call.finished = True
@@ -137,12 +147,43 @@ class Dispatcher:
                 failure = self._failure(e, call, attempt)
             finally:
                 call.close()
+                if box is not None:
+                    self.inbox.close_box(box)  # type: ignore[union-attr]
             if failure is not None:
                 yield failure
                 return
             logger.warning("engine replica lost before the answer started; attempt %d", attempt)
             ereq.request_id = f"{base_id}~{attempt}"
             ereq.route_id = uuid.uuid4().hex  # a new attempt: its own record in the router
+
+    async def _channel_items(self, call: _Call, box: Mailbox) -> AsyncIterator[Any]:
+        """The items of a call whose stream comes through the inbox: the call's own items (a refusal, a
+        whole answer) and the stream's, in one order, until the answer's ``EngineSummary``. Raises what
+        the call raised (a lost replica, a cancellation at the deadline); ``RuntimeError`` if the call
+        returned and the stream's end did not follow within ``LATE_ITEMS_S``."""
+        pump = asyncio.ensure_future(_pump(call.gen, box))
+        ended = False
+        try:
+            while True:
+                try:
+                    item = await (box.get() if not ended else asyncio.wait_for(box.get(), LATE_ITEMS_S))
+                except TimeoutError:
+                    raise RuntimeError("the engine call returned without the end of its stream") from None
+                if isinstance(item, _CallFailed):
+                    raise item.error
+                if item is _CALL_RETURNED:
+                    ended = True  # the last items the call sent may still be on their way
+                    continue
+                yield item
+                if isinstance(item, EngineSummary):
+                    ended = True
+                    return
+        finally:
+            if ended and not pump.done():  # the answer is whole: the call returns by itself
+                self._pumps.add(pump)
+                pump.add_done_callback(self._pumps.discard)
+            elif not pump.done():
+                pump.cancel()
 
     def _failure(self, e: BaseException, call: _Call, attempt: int) -> Failed | None:
         """The answer for a call that raised ``e``: the deadline's 504, a lost replica's 503 once it cannot
@@ -170,6 +211,31 @@ def _caller_cancelled(e: BaseException) -> bool:
     """``e`` is the cancellation of the calling task itself (a client gone), not of the engine call."""
     task = asyncio.current_task()
     return isinstance(e, asyncio.CancelledError) and task is not None and task.cancelling() > 0
+
+
+LATE_ITEMS_S = 5.0
+"""Longest wait for a stream's last items once its engine call has returned (they left before it)."""
+_CALL_RETURNED = object()  # the engine call ended without raising
+
+
+@dataclass(slots=True)
+class _CallFailed:
+    """The engine call raised ``error`` (put into the call's mailbox, raised where it is read)."""
+
+    error: BaseException
+
+
+async def _pump(gen: Any, box: Mailbox) -> None:
+    """Put a call's own items into its mailbox, then its end: ``_CALL_RETURNED`` or ``_CallFailed``."""
+    try:
+        async for item in gen:
+            box.put(item)
+        box.put(_CALL_RETURNED)
+    except BaseException as e:  # the call's outcome, passed on to the reader of the mailbox
+        task = asyncio.current_task()
+        if isinstance(e, asyncio.CancelledError) and task is not None and task.cancelling():
+            raise  # this pump was cancelled (the reader left): nobody reads the mailbox any more
+        box.put(_CallFailed(e))
 
 
 class _Call:

@@ -62,6 +62,7 @@ from app.protocol import (
     StoredResponseCall,
     StreamError,
 )
+from app.stream_channel import StreamOutbox
 from routing.tiers import Tier
 
 logger = logging.getLogger("prefix_serve.engine")
@@ -181,6 +182,7 @@ class VLLMEngine:
         self._warmup_task: asyncio.Future | None = None
         self._warmup_retry_at = 0.0
         self.metrics_target = metrics_server.start(self.node_ip)
+        self.outbox = StreamOutbox()  # streamed answers to the ingresses that ask for them (app.stream_channel)
         logger.info(
             "engine replica %s up: KV-event relay on %s, snapshots on %s",
             self.replica_id, self.relay.events_endpoint, self.relay.snapshot_endpoint,
@@ -372,7 +374,9 @@ class VLLMEngine:
         A cancelled call (the client went away) cancels the serving call, which
         aborts the request in the engine. The first item after the engine's first
         output comes as ``FirstOutput``, the last as ``EngineSummary``, an error
-        event as ``StreamError`` (``app.protocol``).
+        event as ``StreamError`` (``app.protocol``). A stream whose request names
+        ``stream_to`` sends its items there (``app.stream_channel``), not through
+        this call; ``ChannelClosed`` (that ingress stopped reading) ends it.
         """
         from opentelemetry import trace
         from vllm.entrypoints.serve import create_error_response
@@ -403,8 +407,14 @@ class VLLMEngine:
             if not hasattr(result, "__aiter__"):  # a response model or an ErrorResponse: the whole answer
                 yield self._summary(probe, result)
                 return
+            if request.stream_to is None:
+                async for item in self._stream(probe, result):
+                    yield item
+                return
+            # The stream's items go straight to the ingress (app.stream_channel); this call ends with it.
+            send = self.outbox.sender(request.stream_to, request.route_id)
             async for item in self._stream(probe, result):
-                yield item
+                send(item)
         finally:
             s = probe.summary
             span.set_attributes({
@@ -534,6 +544,9 @@ class VLLMEngine:
         relay = getattr(self, "relay", None)
         if relay is not None:
             relay.close()
+        outbox = getattr(self, "outbox", None)
+        if outbox is not None:
+            outbox.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

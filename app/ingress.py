@@ -57,6 +57,7 @@ from app.http_app import fastapi_app, read_body
 from app.ingress_targets import Announcer
 from app.prepare import CANCEL, CHAT, CHAT_BATCH, COMPLETION, MESSAGES, RESPONSES, RETRIEVE
 from app.serving import DIALECTS, OpenAIServing
+from app.stream_channel import StreamInbox
 from infra import ray_env
 
 logger = logging.getLogger("prefix_serve.ingress")
@@ -78,13 +79,16 @@ class OpenAIIngress(AdminRoutes):
         self.args = AppArgs.model_validate(args)
         self.engine = engine
         ctx = serve.get_replica_context()
-        self.serving = OpenAIServing(self.args, engine, Renderer(self.args), ctx.app_name)
+        host = node_address.resolve()
+        # Streamed answers come to this replica's own socket (app.stream_channel), not item by item over Ray.
+        self.inbox = StreamInbox(host) if self.args.stream_transport == "zmq" else None
+        self.serving = OpenAIServing(self.args, engine, Renderer(self.args), ctx.app_name, self.inbox)
         tracing.setup_tracing(self.args.tracing, "ingress")
         auth.configure(self.args.api_key_env, PUBLIC_PATHS | (METRICS_PATHS if self.args.metrics_public else set()))
         # This replica's own Prometheus endpoint, on its node's Ray IP (app.node_address: the
         # rule the engines follow too), announced for /metrics/ingresses.
         self.announcer = Announcer(ctx.app_name, ctx.replica_id.unique_id,
-                                   metrics_server.start(node_address.resolve(),
+                                   metrics_server.start(host,
                                                         before_scrape=metrics.refresh_router_gauges))
         quiet_client_errors()  # a handle caller's 4xx: no traceback in this replica's log
         if not ray_env.fast_path_active():
@@ -98,7 +102,7 @@ class OpenAIIngress(AdminRoutes):
 
     async def __del__(self):
         """Serve's shutdown hook, after the drain: leave the metrics target book, stop
-        the worker loop, then export the spans not yet sent (the batch processor
+        the worker loop and the stream inbox, then export the spans not yet sent (the batch processor
         would send them up to 500 ms later, after the process is gone). Blocking
         steps run in a thread; together at most about 10 s."""
         announcer = getattr(self, "announcer", None)
@@ -107,6 +111,9 @@ class OpenAIIngress(AdminRoutes):
         serving = getattr(self, "serving", None)
         if serving is not None:
             await asyncio.to_thread(serving.close)
+        inbox = getattr(self, "inbox", None)
+        if inbox is not None:
+            inbox.close()
         await asyncio.to_thread(tracing.force_flush)
 
     # ----------------------------------------------------------------- HTTP routes

@@ -96,6 +96,9 @@ class EngineRequest:
         home_replica: the engine replica that holds the stored response this
             request names (``app.home``): the router sends it there while that
             replica runs, and routes it as any other once it is gone.
+        stream_to: the asking ingress's ``StreamInbox`` address (``tcp://host:port``):
+            a streamed answer's items go there, keyed by ``route_id``, instead of
+            through the handle call (``app.stream_channel``); None: through the call.
     """
 
     request_id: str
@@ -112,6 +115,7 @@ class EngineRequest:
     prefill_tokens: int = 0
     bypass_cache: bool = False
     home_replica: str | None = None
+    stream_to: str | None = None
 
     def vllm_request(self) -> Any:
         """``body`` with the rendered ids put back where vLLM's serving layer reads them

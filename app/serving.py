@@ -49,6 +49,7 @@ from app.results import (
     from_vllm,
     stream_error,
 )
+from app.stream_channel import StreamInbox
 
 logger = logging.getLogger("prefix_serve.ingress")
 INLINE_BODY_BYTES = 64 * 1024
@@ -69,15 +70,18 @@ class OpenAIServing:
         engine: the engine deployment's handle.
         renderer: the ingress's copy of vLLM's renderer (``app.frontend.Renderer``).
         app_name: the Serve app's name (its record of adapters loaded at run time: ``app.adapters``).
+        inbox: where the engine replicas send streamed answers (``app.stream_channel``); None: through
+            the handle calls.
     """
 
-    def __init__(self, args: AppArgs, engine: DeploymentHandle, renderer: Any, app_name: str = "prefix-serve"):
+    def __init__(self, args: AppArgs, engine: DeploymentHandle, renderer: Any, app_name: str = "prefix-serve",
+                 inbox: StreamInbox | None = None):
         self.args = args
         self.renderer = renderer
         self.app_name = app_name
         runtime = (lambda: adapters.loaded(app_name)) if args.serving.allow_runtime_lora_updating else None
         self.preparer = Preparer(args, renderer, runtime)
-        self.dispatcher = Dispatcher(engine, args.lifecycle.request_timeout_s)
+        self.dispatcher = Dispatcher(engine, args.lifecycle.request_timeout_s, inbox)
         self.worker = WorkerLoop()  # parsing, validation and rendering of large bodies run here
 
     async def create(self, kind: str, body: Any, trace_headers: dict[str, str] | None = None,
