@@ -51,20 +51,23 @@ def test_items_reach_their_own_call_in_order_and_strays_are_dropped():
             raw = zmq.Context.instance().socket(zmq.PUSH)
             raw.setsockopt(zmq.LINGER, 0)
             raw.connect(inbox.address)
-            raw.send_multipart([b"call-a", b"z", b"\xc1"])
-            raw.send_multipart([b"call-a"])
+            raw.send(b"\x06call-az\xc1")  # call-a's key, an EngineSummary that is not MessagePack
+            raw.send(b"\x06call-a")  # a key and nothing else
+            raw.send(b"")
             send_a(ITEMS[-1])
             got_a = await _read(a, 501)
             got_b = await _read(b, 250)
             raw.close(0)
             assert got_a == tokens + [ITEMS[-1]]
             assert got_b == tokens[1::2]
-            assert inbox.dropped == 500 + 2
+            assert inbox.dropped == 500 + 3
             inbox.close_box(a)
             send_a("data: late\n\n")
             send_b("data: on time\n\n")
             assert await _read(b, 1) == ["data: on time\n\n"]
-            assert inbox.dropped == 503
+            assert inbox.dropped == 504
+            with pytest.raises(ValueError):
+                outbox.sender(inbox.address, "k" * 256)
         finally:
             inbox.close()
             outbox.close()
