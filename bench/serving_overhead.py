@@ -182,22 +182,40 @@ async def block(url: str, model: str, n: int, concurrency: int, prompt_tokens: i
 
 # ---------------------------------------------------------------- the servers
 
-def app_config(base: Path, port: int) -> dict[str, Any]:
-    """``serve_config.yaml`` with one engine replica, on ``port``."""
+def app_config(base: Path, port: int, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``serve_config.yaml`` with one engine replica, on ``port``; ``overrides``: app args set on top
+    (top-level keys of ``args``, e.g. ``{"stream_transport": "ray"}``)."""
     cfg = yaml.safe_load(base.read_text())
     cfg["http_options"] = {**cfg.get("http_options", {}), "host": "127.0.0.1", "port": port}
     app = cfg["applications"][0]
     app["args"]["engine_replicas"]["num_replicas"] = 1
     app["args"]["engine_replicas"].pop("autoscaling", None)
+    app["args"].update(overrides or {})
     return cfg
+
+
+def parse_sets(pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs as app args, each value read as YAML (``stream_transport=ray``,
+    ``lifecycle={stream_keepalive_s: 0}``).
+
+    Raises:
+        ValueError: a pair without ``=``.
+    """
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set takes KEY=VALUE, not {pair!r}")
+        out[key] = yaml.safe_load(value)
+    return out
 
 
 class Servers:
     """The app (``serve run``) and vLLM's server, started side by side; stopped on exit."""
 
     def __init__(self, config: Path, app_port: int, vllm_port: int, workdir: Path,
-                 app_env: dict[str, str] | None = None):
-        self.cfg = app_config(config, app_port)
+                 app_env: dict[str, str] | None = None, app_args: dict[str, Any] | None = None):
+        self.cfg = app_config(config, app_port, app_args)
         self.args = self.cfg["applications"][0]["args"]
         self.model = self.args["served_model_name"]
         self.urls = {APP: f"http://127.0.0.1:{app_port}", VLLM: f"http://127.0.0.1:{vllm_port}"}
@@ -300,7 +318,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="serving_overhead-"))
     result: dict[str, Any] = {"config": {k: v for k, v in vars(args).items()}, "started": time.strftime("%FT%T%z")}
     app_env = dict(kv.split("=", 1) for kv in args.app_env)
-    with Servers(Path(args.config), args.app_port, args.vllm_port, workdir, app_env) as servers:
+    with Servers(Path(args.config), args.app_port, args.vllm_port, workdir, app_env, parse_sets(args.set)) as servers:
         model = servers.model
 
         def go(name: str, n: int, conc: int) -> tuple[list[Sample], float, dict[str, float]]:
@@ -472,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--app-env", nargs="*", default=[], metavar="KEY=VALUE",
                     help="extra environment of `serve run` (and so of the Ray cluster it starts)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="app args over the config's, each value YAML (e.g. stream_transport=ray)")
     ap.add_argument("--settle-s", type=float, default=1.5,
                     help="idle seconds before each block and each unloaded request (vLLM's worker spins 1 s)")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="one request's limit")

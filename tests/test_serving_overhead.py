@@ -64,3 +64,21 @@ def test_the_report_prints_and_draws(tmp_path):
     assert "TTFT p50 unloaded" in text and "+10.0 ms" in text and "targets:" in text
     so.plot(result, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_app_args_set_on_the_command_line_override_the_config_and_validate(tmp_path):
+    """``--set KEY=VALUE`` (values read as YAML) lands in the app's args on top of the config's one
+    engine replica; the result still validates as the app's args."""
+    from pathlib import Path
+
+    from app.config import AppArgs
+
+    sets = so.parse_sets(["stream_transport=ray", "lifecycle={stream_keepalive_s: 0}"])
+    assert sets == {"stream_transport": "ray", "lifecycle": {"stream_keepalive_s": 0}}
+    cfg = so.app_config(Path(so.REPO / "serve_config.yaml"), 18999, sets)
+    args = cfg["applications"][0]["args"]
+    assert args["engine_replicas"]["num_replicas"] == 1 and cfg["http_options"]["port"] == 18999
+    parsed = AppArgs.model_validate(args)
+    assert parsed.stream_transport == "ray" and parsed.lifecycle.stream_keepalive_s == 0
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        so.parse_sets(["stream_transport"])
