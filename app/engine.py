@@ -127,7 +127,9 @@ class VLLMEngine:
     ``messages`` stream vLLM's answer (SSE strings, or one
     response model or ``ErrorResponse``), its first item after the engine's first
     output wrapped in ``FirstOutput``, its last in ``EngineSummary`` and vLLM's error
-    events in ``StreamError`` (see ``app.protocol``).
+    events in ``StreamError`` (see ``app.protocol``). A streamed answer whose request names
+    ``stream_to`` goes to that ingress's socket instead (``app.stream_channel``): the call then
+    yields nothing for it and returns when it ends.
     """
 
     def __init__(self, args: dict[str, Any]):

@@ -5,7 +5,8 @@ as seen through a Serve ``DeploymentHandle``: vLLM's own request model plus what
 the request router reads to compute the request's block keys (token ids,
 ``cache_salt``, LoRA name). The rendered token ids cross the handle once, as
 arrays; the engine replica puts them into vLLM's request (``EngineRequest.vllm_request``).
-The engine streams back vLLM's answer, untouched:
+The engine streams back vLLM's answer, untouched (a stream over the asking ingress's
+socket, ``EngineRequest.stream_to`` and ``app.stream_channel``, or through the call):
 SSE strings (``"data: {...}\n\n"``, the last one ``"data: [DONE]\n\n"``) for a
 stream, else one response model, or one ``ErrorResponse``. A stream's answer
 starts with ``Accepted`` (vLLM's serving layer validated the request), so the
