@@ -14,10 +14,12 @@ without an error even where another proxy listens on it (Serve sets ``SO_REUSEPO
 the kernel then splits connections between the two apps.
 
 With ``-- COMMAND`` (``make serve``: ``-- .venv/bin/serve run CONFIG``) it takes the
-port's lock before the port check and, once both pass, replaces itself with COMMAND,
-which keeps the lock until it exits; so a second ``make serve`` started while the first
-is still starting (its proxy not yet bound) is refused too. Without a command it only
-checks (exit 0: the port is free).
+port's lock before the port check and, once both pass, runs COMMAND, which shares the
+lock until it exits; so a second ``make serve`` started while the first is still
+starting (its proxy not yet bound) is refused too. A stop signal (Ctrl-C, or SIGTERM to
+``make serve``'s process group) reaches COMMAND as one Ctrl-C, the way ``serve run``
+shuts down quietly (``run_stopping_gently``). Without a command it only checks (exit 0:
+the port is free).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import argparse
 import fcntl
 import json
 import os
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import urllib.request
@@ -168,11 +172,47 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.set_inheritable(lock, True)  # COMMAND keeps the lock until it exits
     ray_env.apply()  # the Ray cluster COMMAND starts runs the app's serving path (HAProxy, direct ingress)
+    return run_stopping_gently(command, pass_fds=(lock,))
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def run_stopping_gently(command: list[str], pass_fds: tuple[int, ...] = ()) -> int:
+    """Run ``command`` in a session of its own and stop it the way it stops cleanly: any of
+    ``STOP_SIGNALS`` sent to this process (Ctrl-C, or SIGTERM to ``make serve``'s process group)
+    becomes one SIGINT to the command's process group (``serve run`` shuts Serve and its Ray
+    cluster down on Ctrl-C; on SIGTERM Ray prints a stack, ``SystemExit: 15`` and may abort in its
+    teardown); a second such signal sends SIGTERM, a third SIGKILL.
+
+    Returns 0 when a requested stop ended the command quietly (exit 0, or by the SIGINT), else
+    the command's status (a signal's as ``128 + signum``); 1 if it cannot start.
+    """
     try:
-        os.execvp(command[0], command)
+        # SIGINT back to its default in the command: a background job of a non-interactive shell
+        # inherits it ignored, and then Python's Ctrl-C handling (``serve run``'s shutdown) is off.
+        child = subprocess.Popen(command, pass_fds=pass_fds, start_new_session=True,
+                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     except OSError as e:
         print(f"{PROG}: cannot run {command[0]!r}: {e}", file=sys.stderr)
-    return 1
+        return 1
+    escalation = [signal.SIGINT, signal.SIGTERM, signal.SIGKILL]
+    asked: list[int] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        sent = escalation[min(len(asked), len(escalation) - 1)]
+        asked.append(signum)
+        try:
+            os.killpg(child.pid, sent)
+        except ProcessLookupError:  # already gone
+            pass
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+    code = child.wait()  # a signal runs ``stop`` and the wait goes on (PEP 475)
+    if asked and code in (0, -signal.SIGINT, 128 + signal.SIGINT):
+        return 0
+    return 128 - code if code < 0 else code
 
 
 if __name__ == "__main__":

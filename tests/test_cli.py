@@ -79,7 +79,7 @@ def test_a_port_in_use_is_refused_naming_it(tmp_path, listen_host, config_host):
 
 
 def test_a_second_run_is_refused_while_the_first_command_holds_the_lock(tmp_path, port):
-    """The first run execs its command, which keeps the port's lock (its port is still
+    """The first run runs its command, and the two hold the port's lock (its port is still
     free: a `serve run` that has not bound it yet); a second run is refused naming the
     port and the first's pid. Once that command exits, the port can be used again."""
     config = _config(tmp_path, "127.0.0.1", port)
@@ -95,13 +95,60 @@ def test_a_second_run_is_refused_while_the_first_command_holds_the_lock(tmp_path
         assert refused.returncode == 1
         assert "ran" not in refused.stdout
         assert f"another `make serve` on port {port} is running (pid {first.pid}," in refused.stderr
-        # The first command is still running: exec kept the pid the lock names.
+        # The first run (the pid the lock names) is still running, waiting for its command.
         assert first.poll() is None
     finally:
         os.killpg(first.pid, signal.SIGTERM)
         first.wait(timeout=30)
     again = _preflight(config)
     assert again.returncode == 0, again.stderr
+
+
+CHILD = """
+import signal, sys, time
+def on_int(*_):
+    print("stopped cleanly", flush=True)
+    sys.exit(0)
+def on_term(*_):
+    print("SIGTERM received", flush=True)  # what `serve run` does: a stack, then an abort in Ray's teardown
+    signal.signal(signal.SIGABRT, signal.SIG_DFL)
+    import os; os.abort()
+signal.signal(signal.SIGINT, on_int if "{mode}" == "clean" else signal.SIG_IGN)
+signal.signal(signal.SIGTERM, on_term)
+print("up", flush=True)
+time.sleep(120)
+"""
+
+
+def _started(config: Path, mode: str) -> subprocess.Popen:
+    """``make serve``'s shape: preflight and its command, in a process group of their own (make's)."""
+    proc = subprocess.Popen([sys.executable, "-m", "infra.preflight", str(config), "--", sys.executable, "-c",
+                             CHILD.format(mode=mode)], cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+    return proc
+
+
+def test_sigterm_to_make_serves_group_stops_the_command_as_ctrl_c_does_and_exits_0(tmp_path, port):
+    """Issue 39: SIGTERM to the process group (the documented stop) reached `serve run` itself, which
+    printed a SIGTERM stack and aborted. The command runs in a session of its own, so it gets only
+    the one SIGINT preflight sends it: a quiet stop, exit 0."""
+    proc = _started(_config(tmp_path, "127.0.0.1", port), "clean")
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert out == "stopped cleanly\n"
+
+
+def test_a_command_that_ignores_the_stop_gets_sigterm_on_the_second_signal_and_its_status_is_kept(tmp_path, port):
+    proc = _started(_config(tmp_path, "127.0.0.1", port), "ignores_sigint")
+    os.killpg(proc.pid, signal.SIGTERM)
+    time.sleep(1.0)
+    assert proc.poll() is None  # SIGINT ignored: still running
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert out == "SIGTERM received\n"
+    assert proc.returncode == 128 + signal.SIGABRT  # a crash in the stop is not hidden
 
 
 def test_the_handle_example_prints_help_without_starting_ray():
