@@ -197,6 +197,11 @@ CASES = [
     ("lora_chat", CHAT, chat(model=ADAPTER), True),
     ("lora_cmpl_stream", CMPL, cmpl(model=ADAPTER, stream=True, stream_options={"include_usage": True}), True),
     ("lora_cmpl_logprobs", CMPL, cmpl(model=ADAPTER, logprobs=2), True),
+    # A prompt that fits whose max_tokens does not (4,086 + 100 > max_model_len 4,096): vLLM's server clips
+    # max_tokens to what the context leaves (get_max_tokens): 200, 10 tokens, finish_reason "length".
+    ("cmpl_max_tokens_past_context", CMPL, cmpl([11] * 4086, max_tokens=100), True),
+    ("cmpl_max_tokens_past_context_stream", CMPL, cmpl([11] * 4086, max_tokens=100, stream=True,
+                                                       stream_options={"include_usage": True}), True),
     # Bad values: 0, negative, huge, wrong types, unknown model, too long.
     ("bad_max_completion_tokens_0", CHAT, chat(max_completion_tokens=0), False),
     ("bad_max_tokens_0", CMPL, cmpl(max_tokens=0), False),
