@@ -128,9 +128,11 @@ AB_ARGS ?=
 ab: install model
 	$(PY) -m bench.ab --out reports/ab $(AB_ARGS)
 
-# Cluster simulator on the shared Mooncake trace, every policy (see docs/benchmarks.md).
+# Cluster simulator on a Mooncake trace, every policy (see docs/simulator.md). SIM_TRACE defaults to the
+# 800 rows the repository ships; name the full trace with make sim SIM_TRACE=<file>.
+SIM_TRACE ?= locustfiles/data/mooncake_synthetic_trace.head800.jsonl
 sim: install
-	$(PY) -m bench.sim --trace ../shared/workloads/mooncake_synthetic_trace.jsonl --replicas 8 --rate-scale 0.35 --policies all --jobs 2 \
+	$(PY) -m bench.sim --trace $(SIM_TRACE) --replicas 8 --rate-scale 0.35 --policies all --jobs 2 \
 	  --json reports/sim/mooncake.json --plot reports/sim/mooncake.png
 
 # 5-minute soak of the default CPU config (serve run on 127.0.0.1:8000): 16 streams, mixed workloads.
