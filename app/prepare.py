@@ -9,7 +9,8 @@ the error vLLM's server would give:
    naming its field: the tokenizer, msgpack and an error quoting it would fail on it);
 2. it is not too large in items to validate without stalling the ingress
    (``MAX_MESSAGE_ITEMS``; a token-id prompt past ``max_model_len``, refused in vLLM's words);
-3. vLLM's request model validates it (``ChatCompletionRequest`` / ``CompletionRequest``);
+3. vLLM's request model validates it (``ChatCompletionRequest`` / ``CompletionRequest``),
+   and its ``vllm_xargs`` leave the engine's KV-cache report mode alone (``check_report_mode``);
 4. the model is the served model or a LoRA adapter: configured (vLLM's model registry) or
    loaded at run time (``app.adapters``);
 5. vLLM's renderer renders and tokenizes it, with the engines' chat template, tokenizer
@@ -219,14 +220,15 @@ class Preparer:
         """vLLM's request model of ``body``; raises ``OpenAIError`` (400) for a body that is not
         a JSON object of valid text or is too large in items, pydantic's or vLLM's error otherwise."""
         model_cls = _request_model(kind)
-        if isinstance(body, model_cls):
-            return body
-        if isinstance(body, (bytes, bytearray)):
-            body = decode(body)
-        else:  # a handle caller's object: may share or contain itself, unlike parsed JSON
-            body = _object(body, check_text=True, max_values=self.args.max_request_body_bytes // 2)
-        check_size(kind, body, self.args.engine.max_model_len)
-        return model_cls.model_validate(body)
+        if not isinstance(body, model_cls):
+            if isinstance(body, (bytes, bytearray)):
+                body = decode(body)
+            else:  # a handle caller's object: may share or contain itself, unlike parsed JSON
+                body = _object(body, check_text=True, max_values=self.args.max_request_body_bytes // 2)
+            check_size(kind, body, self.args.engine.max_model_len)
+            body = model_cls.model_validate(body)
+        check_report_mode(body)
+        return body
 
     async def resolve_model(self, model: str | None) -> str | None:
         """The LoRA adapter ``model`` names (None: the served model, or unset); raises ``OpenAIError``
@@ -396,6 +398,27 @@ def check_size(kind: str, body: dict[str, Any], max_model_len: int) -> None:
             raise OpenAIError(f"This model's maximum context length is {max_model_len} tokens. However, "
                               f"your prompt contains {len(p)} input tokens. Please reduce the length of "
                               f"the input prompt.", 400, param="input_tokens")  # vLLM's words and param
+
+
+KV_REPORT_MODE = "kv_cache_report_mode"
+"""The ``vllm_xargs`` key that sets how the engine reports a request's KV-cache blocks."""
+
+
+def check_report_mode(req: Any) -> None:
+    """Raises ``OpenAIError`` (400, ``param`` ``vllm_xargs.kv_cache_report_mode``) for a request
+    whose ``vllm_xargs`` set a KV-cache report mode other than vLLM's default ``incremental``.
+
+    In ``full`` mode vLLM announces the prefix blocks a request reuses in a second ``BlockStored``,
+    with no new physical block behind it, and evicts the block with one ``BlockRemoved``: a
+    relay cannot tell that from a second physical copy (the events carry no block ids), so the
+    key would stay in every router's index after the engine dropped the block. The app is the
+    consumer of these events, so it owns the mode; a client may not change it.
+    """
+    xargs = getattr(req, "vllm_xargs", None)
+    if isinstance(xargs, dict) and KV_REPORT_MODE in xargs and xargs[KV_REPORT_MODE] != "incremental":
+        raise OpenAIError(f"vllm_xargs.{KV_REPORT_MODE}: {xargs[KV_REPORT_MODE]!r} is not accepted; the "
+                          f"server sets how its engines report KV-cache blocks (only 'incremental')", 400,
+                          param=f"vllm_xargs.{KV_REPORT_MODE}")
 
 
 def check_text_encodable(value: Any, path: str = "", max_values: int | None = None) -> None:
