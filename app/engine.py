@@ -157,6 +157,10 @@ class VLLMEngine:
         self.frontend = EngineFrontend(request_probe.ProbedEngineClient(self.engine), cfg)
         # Set by the engine core's handshake (the profiled KV cache, or num_gpu_blocks_override).
         self.num_gpu_blocks = int(self.engine.vllm_config.cache_config.num_gpu_blocks or 0) or None
+        # The block size the engine runs, also synced at the handshake: vLLM raises the configured one
+        # for a hybrid attention + Mamba model (_align_hybrid_block_size); the relay's keys, the routers'
+        # keys (STAT_BLOCK_SIZE) and the host tier's blocks are in it. _follow_hit_group refines it.
+        self.block_size = int(self.engine.vllm_config.cache_config.block_size or self.block_size)
         # Configured adapters are loaded before this replica serves its first request.
         self.configured_adapters = frozenset(m.name for m in cfg.serving.lora_modules)
         self.allow_runtime_lora = cfg.serving.allow_runtime_lora_updating
@@ -263,8 +267,9 @@ class VLLMEngine:
         """Have the relay follow the KV-cache group that decides a prefix hit, before any request
         (so no event of another group is keyed). vLLM's engine core describes its groups
         (``get_kv_cache_group_metadata``, kept for external event consumers); an engine that cannot
-        answer keeps group 0, which is right for every model of one attention kind."""
-        from routing.relay import hit_group
+        answer keeps group 0, which is right for every model of one attention kind. The group's
+        block size as the engine runs it (``hit_block_size``) becomes the relay's and the reported one."""
+        from routing.relay import hit_block_size, hit_group
 
         try:
             self.kv_cache_groups = list(await self.engine.engine_core.call_utility_async(
@@ -274,9 +279,10 @@ class VLLMEngine:
                            self.replica_id, e)
             return
         group = hit_group(self.kv_cache_groups)
-        if await asyncio.wrap_future(self.relay.follow_group(group)):
-            logger.info("engine replica %s: the relay follows KV-cache group %d of %s", self.replica_id, group,
-                        self.kv_cache_groups)
+        self.block_size = hit_block_size(self.kv_cache_groups, self.block_size)  # reported from now on
+        if await asyncio.wrap_future(self.relay.follow_group(group, self.block_size)):
+            logger.info("engine replica %s: the relay follows KV-cache group %d (block size %d) of %s",
+                        self.replica_id, group, self.block_size, self.kv_cache_groups)
 
     def _ensure_warm_up(self) -> None:
         """Start the warm-up in the background unless it is done or running; a failed

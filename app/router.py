@@ -210,6 +210,9 @@ class PrefixAffinityRouter(RequestRouter):
     def _follow(self, r: RunningReplica) -> None:
         uid, stats = r.replica_id.unique_id, r.routing_stats or {}
         self.state.add_replica(uid)
+        block_size = stats.get(stats_keys.STAT_BLOCK_SIZE)
+        if block_size:  # the size the engines run (a hybrid model's is raised above the configured one)
+            self.state.block_size = int(block_size)
         events, snapshot = stats.get(stats_keys.STAT_EVENTS_ENDPOINT), stats.get(stats_keys.STAT_SNAPSHOT_ENDPOINT)
         if events and snapshot:
             self.state.follow(uid, events, snapshot, time.time())  # a no-op when unchanged
@@ -293,7 +296,7 @@ class PrefixAffinityRouter(RequestRouter):
     def _choose(self, candidates: list[RunningReplica], pending: PendingRequest,
                 request: EngineRequest) -> list[list[RunningReplica]]:
         t0, start_ns = time.perf_counter(), time.time_ns()
-        block_size = self.cfg.block_size or self._block_size(candidates) or request.block_size or None
+        block_size = self.state.block_size or self._block_size(candidates) or request.block_size or None
         if block_size is None:
             return self._fallback(candidates, pending, request, "no_block_size")
         route_id = pending.metadata.internal_request_id

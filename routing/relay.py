@@ -79,7 +79,7 @@ from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineBl
 from routing.key_events import AllKeysCleared, KeyEvent, KeysRemoved, KeysStored, keys_to_bytes
 from routing.tiers import Tier, tier_of_medium
 
-__all__ = ["FULL_ATTENTION_KINDS", "KeyRelay", "RelayStats", "hit_group"]
+__all__ = ["FULL_ATTENTION_KINDS", "KeyRelay", "RelayStats", "hit_block_size", "hit_group"]
 
 FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 """vLLM ``KVCacheSpecKind`` values of full-attention groups (their specs subclass ``FullAttentionSpec``)."""
@@ -100,6 +100,17 @@ def hit_group(groups: list[dict]) -> int:
         if g.get("kind") in FULL_ATTENTION_KINDS:
             return int(g["group_idx"])
     return 0
+
+
+def hit_block_size(groups: list[dict], default: int) -> int:
+    """Tokens per block of the group ``hit_group`` picks, as the engine runs it (its
+    ``block_size`` in ``get_kv_cache_group_metadata``: a hybrid attention + Mamba model's
+    is raised above the configured size); ``default`` when the metadata has none."""
+    group = hit_group(groups)
+    for g in groups:
+        if int(g.get("group_idx", -1)) == group and g.get("block_size"):
+            return int(g["block_size"])
+    return default
 
 
 _LITTLE_ENDIAN = sys.byteorder == "little"  # array('I') bytes are then the keys' uint32-LE
@@ -174,17 +185,25 @@ class KeyRelay:
         """Distinct keys held on ``tier``."""
         return len(self.refs[tier])
 
-    def follow_group(self, group_idx: int | None) -> bool:
-        """Follow KV-cache group ``group_idx`` from now on (``hit_group`` of the engine's groups).
+    def follow_group(self, group_idx: int | None, block_size: int | None = None) -> bool:
+        """Follow KV-cache group ``group_idx`` from now on (``hit_group`` of the engine's groups),
+        at that group's ``block_size`` as the engine runs it (None: keep the relay's).
 
         Returns:
-            True if that changed the group and the relay forgot what it held
-            (it followed another group's blocks): the caller tells the routers
-            (``AllKeysCleared``).  False when it was the group already.
+            True if that changed the group or the block size and the relay forgot what
+            it held: the caller tells the routers (``AllKeysCleared``).  False when
+            nothing changed.
+
+        Raises:
+            ValueError: ``block_size`` not positive.
         """
-        if group_idx == self.group_idx:
+        if block_size is not None and block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if group_idx == self.group_idx and (block_size is None or block_size == self.block_size):
             return False
         self.group_idx = group_idx
+        if block_size is not None:
+            self.block_size = block_size
         self.clear()
         return True
 

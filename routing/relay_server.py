@@ -104,7 +104,7 @@ class RelayServer:
         self._snap = self._socket(zmq.ROUTER)
         self.snapshot_endpoint = f"tcp://{host}:{self._snap.bind_to_random_port(f'tcp://{host}')}"
         self._sub: zmq.Socket | None = None
-        self._inbox: queue.SimpleQueue[tuple[int | None, Future]] = queue.SimpleQueue()  # groups to follow
+        self._inbox: queue.SimpleQueue[tuple[int | None, int | None, Future]] = queue.SimpleQueue()  # to follow
         self._stop = threading.Event()
         self._heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._supervise, name="kv-event-relay", daemon=True)
@@ -120,16 +120,17 @@ class RelayServer:
         """True while the loop runs and went round within ``within_s`` seconds."""
         return self._thread.is_alive() and time.monotonic() - self._heartbeat < within_s
 
-    def follow_group(self, group_idx: int | None) -> Future:
-        """Follow KV-cache group ``group_idx`` (``routing.relay.hit_group`` of the engine's groups).
+    def follow_group(self, group_idx: int | None, block_size: int | None = None) -> Future:
+        """Follow KV-cache group ``group_idx`` (``routing.relay.hit_group`` of the engine's groups)
+        at its ``block_size`` (``routing.relay.hit_block_size``; None keeps the relay's).
 
         Any thread: the loop applies it before the next vLLM batch it reads. If
-        the relay followed another group, it forgets what it held and tells the
-        routers (``AllKeysCleared``). Returns a future that is done (True: the
-        group changed) once the loop applied it.
+        the relay followed another group or block size, it forgets what it held and tells
+        the routers (``AllKeysCleared``); snapshots then carry the new block size. Returns a
+        future that is done (True: something changed) once the loop applied it.
         """
         done: Future = Future()
-        self._inbox.put((group_idx, done))
+        self._inbox.put((group_idx, block_size, done))
         return done
 
     def close(self) -> None:
@@ -177,10 +178,14 @@ class RelayServer:
     def _read_inbox(self) -> None:
         while True:
             try:
-                group_idx, done = self._inbox.get_nowait()
+                group_idx, block_size, done = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            changed = self.relay.follow_group(group_idx)
+            try:
+                changed = self.relay.follow_group(group_idx, block_size)
+            except ValueError as e:
+                done.set_exception(e)
+                continue
             if changed:
                 self.stats["group_changes"] += 1
                 self._publish([AllKeysCleared()])
