@@ -354,12 +354,16 @@ class ResponsesStoreConfig(_Strict):
     messages and background streams), which ``previous_response_id``, retrieve and cancel read.
 
     vLLM keeps it only with ``VLLM_ENABLE_RESPONSES_API_STORE=1`` and never evicts an entry;
-    here it is on by default and bounded per replica by count and by age (``cachetools.TTLCache``).
+    here it is on by default and bounded per replica by count and by age; a response, its messages
+    and its events live and leave as one entry, and a running background response stays
+    (``app.responses_store``).
     """
 
     enabled: bool = Field(True, description="keep `store: true` responses (vLLM: VLLM_ENABLE_RESPONSES_API_STORE)")
-    max_entries: int = Field(10_000, ge=1, description="responses kept per engine replica; the oldest go first")
-    ttl_s: float = Field(3600.0, gt=0.0, description="seconds a stored response is kept after it was last written")
+    max_entries: int = Field(10_000, ge=1,
+                             description="responses kept per engine replica; the least recently used go first")
+    ttl_s: float = Field(3600.0, gt=0.0,
+                         description="seconds a stored response is kept after it was last read or written")
 
 
 ENV_FIELDS = {"allow_runtime_lora_updating": "VLLM_ALLOW_RUNTIME_LORA_UPDATING",

@@ -15,7 +15,7 @@ requests or responses itself: it builds vLLM's classes from the same settings
 - ``EngineFrontend(engine_client, cfg)``: what each engine replica runs per request:
   vLLM's ``OpenAIServingChat`` (and ``OpenAIServingChatBatch``), ``OpenAIServingCompletion``,
   ``OpenAIServingResponses``
-  (its store bounded: ``bound_responses_store``) and ``AnthropicServingMessages`` over
+  (its store bounded: ``app.responses_store``) and ``AnthropicServingMessages`` over
   the replica's ``AsyncLLM`` (chat, completions and messages with
   ``app.probe.StreamErrorsObserved``: a stream's error events are known as such), with
   vLLM's ``OpenAIServingModels`` holding the LoRA adapters.
@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
-from app.config import AppArgs, ResponsesStoreConfig, resolve_path
+from app.config import AppArgs, resolve_path
+from app.responses_store import bound_responses_store
 
 if TYPE_CHECKING:
     from vllm.config.model import ModelDType
@@ -244,53 +245,6 @@ class EngineFrontend:
             await self.models.init_static_loras()
             self._adapters_loaded = True
 
-
-
-def bound_responses_store(serving: Any, cfg: ResponsesStoreConfig) -> None:
-    """Turn vLLM's Responses store on or off (``cfg.enabled``, in place of its process-wide
-    ``VLLM_ENABLE_RESPONSES_API_STORE``) and bound it: its stored responses, their input messages
-    and background streams' events each become a ``cachetools.TTLCache`` of ``cfg.max_entries``
-    entries kept ``cfg.ttl_s`` seconds after their last write (vLLM's are dicts that never shrink).
-    A response's messages and events share its age and go with it, so a follow-up never finds a
-    response whose history is gone.
-
-    An entry that expires is answered as one never stored: vLLM's 404 "Response with id ... not found".
-    """
-    from cachetools import TTLCache
-
-    class ResponseStore(TTLCache):
-        """vLLM's ``response_store``, bounded; writing a response renews its messages' and events'
-        age, and a response that leaves (by age or count) takes them with it."""
-
-        def __init__(self, siblings: list[TTLCache]):
-            super().__init__(maxsize=cfg.max_entries, ttl=cfg.ttl_s)
-            self.siblings = siblings
-
-        def __setitem__(self, key: Any, value: Any) -> None:
-            super().__setitem__(key, value)
-            for store in self.siblings:
-                if key in store:
-                    store[key] = store[key]
-
-        def popitem(self) -> tuple[Any, Any]:
-            key, value = super().popitem()
-            self._forget(key)
-            return key, value
-
-        def expire(self, time: Any = None) -> list[tuple[Any, Any]]:
-            gone = super().expire(time)
-            for key, _ in gone:
-                self._forget(key)
-            return gone
-
-        def _forget(self, key: Any) -> None:
-            for store in self.siblings:
-                store.pop(key, None)
-
-    serving.enable_store = cfg.enabled
-    serving.msg_store = TTLCache(maxsize=cfg.max_entries, ttl=cfg.ttl_s)
-    serving.event_store = TTLCache(maxsize=cfg.max_entries, ttl=cfg.ttl_s)
-    serving.response_store = ResponseStore([serving.msg_store, serving.event_store])
 
 
 def _observed(serving_cls: type) -> type:
