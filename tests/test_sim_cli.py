@@ -208,3 +208,53 @@ def test_decisions_are_saved_per_request_and_compared(tmp_path):
     assert decisions.main(["--compare", a, c]) == 1
     saved = np.load(a)
     assert len(saved["replica"]) == 120 and set(saved["replica"].tolist()) <= {0, 1}
+
+
+def _make_sim_trace() -> str:
+    """The ``--trace`` that ``make sim`` passes, read from make's dry run (``install`` taken as made)."""
+    out = subprocess.run(["make", "-n", "-o", "install", "--no-print-directory", "sim"], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    found = re.findall(r"-m bench\.sim --trace (\S+)", out)
+    assert len(found) == 1, out
+    return found[0]
+
+
+def test_make_sim_default_trace_ships_with_the_repository(tmp_path):
+    trace = _make_sim_trace()
+    path = (REPO / trace).resolve()
+    assert path.is_relative_to(REPO), f"make sim reads {trace}, outside the repository"
+    assert path.is_file(), f"make sim reads {trace}, which the repository does not ship"
+    out = tmp_path / "r.json"
+    assert main(["--trace", str(path), "--limit", "40", "--replicas", "2", "--policies", "pow2", "--no-progress",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["policies"]["pow2"]["requests"] == 40
+
+
+def test_figure_title_says_why_trace_rows_were_dropped_and_the_load(tmp_path):
+    from bench.sim.plot import figure_title
+
+    trace = REPO / _make_sim_trace()
+    rows = [json.loads(line) for line in trace.read_text().splitlines()[:260]]
+    too_long = sum(r["input_length"] + r["output_length"] > 131072 for r in rows)
+    assert too_long >= 1  # the shipped trace's row 250 (134,773 + 382 tokens)
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    assert main(["--trace", str(trace), "--limit", "260", "--replicas", "2", "--policies", "pow2", "--no-progress",
+                 "--json", str(out), "--plot", str(png)]) == 0
+    rep = json.loads(out.read_text())
+    title = figure_title(rep)
+    assert f"{260 - too_long} requests ({too_long} of 260 rows dropped" in title
+    assert "max_model_len 131,072" in title
+    w = rep["workload"]
+    assert f"load: {w['request_rate_per_s']:.2f} req/s" in title and "(arrivals x1)" in title
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_identical_policies_share_one_legend_entry():
+    from bench.sim.plot import identical_groups
+
+    q = [0.1, 0.2, 0.4]
+    pols = {"pow2": {"ttft_quantiles_s": q, "hit_rate": 0.1},
+            "prefix_affinity_tier_blind": {"ttft_quantiles_s": [0.05, 0.1, 0.2], "hit_rate": 0.3},
+            "prefix_affinity": {"ttft_quantiles_s": [0.05, 0.1, 0.2], "hit_rate": 0.3},
+            "random": {"ttft_quantiles_s": q, "hit_rate": 0.2}}
+    assert identical_groups(pols) == [["pow2"], ["prefix_affinity", "prefix_affinity_tier_blind"], ["random"]]

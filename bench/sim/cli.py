@@ -326,8 +326,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_out:
         from bench.sim.plot import plot_report
 
-        w = report["workload"]
-        plot_report(report, args.plot_out,
-                    title=f"{w['name']}: {w['requests']} requests, {args.replicas} replicas, rate x{args.rate_scale}")
+        plot_report(report, args.plot_out)
     print(format_table(report), file=sys.stdout)
     return 0
