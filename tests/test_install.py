@@ -152,20 +152,3 @@ def test_bench_and_load_extras_cover_the_benchmarks_and_locustfiles():
     assert _missing(_third_party_imports("tests") - {"dynamo", "vllm", "torch", "transformers", "safetensors"},
                     ("core", "test")) == {}
 
-
-def test_make_sim_runs_on_what_a_fresh_clone_ships():
-    """Issue 39: `make sim` read a trace beside the repository. Its default trace is a file in the
-    repository (tracked by git), read from the Makefile's own SIM_TRACE line."""
-    import re
-    import subprocess
-
-    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
-    default = re.search(r"^SIM_TRACE \?= (\S+)$", makefile, re.M)
-    assert default is not None, "the Makefile names no default SIM_TRACE"
-    trace = default.group(1)
-    assert not trace.startswith(("/", "..")), trace
-    assert (REPO / trace).is_file()
-    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", trace], cwd=REPO, capture_output=True)
-    assert tracked.returncode == 0, f"{trace} is not in the repository"
-    sim = makefile.split("\nsim:", 1)[1].split("\n\n", 1)[0]
-    assert "--trace $(SIM_TRACE)" in sim and "../" not in sim
