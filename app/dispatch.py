@@ -167,7 +167,7 @@ class Dispatcher:
             while True:
                 try:
                     item = await (box.get() if not ended else asyncio.wait_for(box.get(), LATE_ITEMS_S))
-                except TimeoutError:
+                except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
                     raise RuntimeError("the engine call returned without the end of its stream") from None
                 if isinstance(item, _CallFailed):
                     raise item.error
