@@ -52,6 +52,9 @@ SNDHWM = 1_000_000
 """Items an engine replica queues for one ingress before a send fails (``ChannelClosed``): far
 above what live streams hold in flight; reached only by an ingress that stopped reading."""
 
+DRAIN_BATCH = 1024
+"""Items the inbox reads in one turn of the serving loop (about a millisecond of work)."""
+
 _KINDS: dict[type, bytes] = {Accepted: b"a", FirstOutput: b"f", StreamError: b"e", EngineSummary: b"z"}
 _TYPES: dict[bytes, type] = {kind: cls for cls, kind in _KINDS.items()}
 _encode = msgspec.msgpack.Encoder().encode
@@ -156,9 +159,11 @@ class StreamInbox:
             del self._boxes[box.key]
 
     def _drain(self) -> None:
-        """Every item waiting on the socket into its mailbox (ZMQ's FD signals edges: read until empty)."""
+        """Every item waiting on the socket into its mailbox (ZMQ's FD signals edges: read until empty),
+        at most ``DRAIN_BATCH`` a turn of the loop: the rest on its next turn, so a flood never holds
+        the serving loop."""
         sock, boxes = self._sock, self._boxes
-        while True:
+        for _ in range(DRAIN_BATCH):
             try:
                 msg = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
@@ -175,6 +180,8 @@ class StreamInbox:
             except ValueError:
                 self.dropped += 1
                 logger.warning("dropped a stream item that did not decode (kind %r)", msg[end:end + 1])
+        if self._loop is not None:  # not empty yet: the FD will not signal again for what is queued
+            self._loop.call_soon(self._drain)
 
     def close(self) -> None:
         """Stop reading and close the socket (the replica's shutdown)."""

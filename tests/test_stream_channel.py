@@ -41,7 +41,7 @@ def test_items_reach_their_own_call_in_order_and_strays_are_dropped():
             a, b = inbox.open("call-a"), inbox.open("call-b")
             send_a, send_b = outbox.sender(inbox.address, "call-a"), outbox.sender(inbox.address, "call-b")
             send_gone = outbox.sender(inbox.address, "call-gone")  # a call that ended: nobody reads it
-            tokens = [f"data: {i}\n\n" for i in range(500)]
+            tokens = [f"data: {i}\n\n" for i in range(2500)]  # past DRAIN_BATCH: read over several turns
             for i, t in enumerate(tokens):
                 send_a(t)
                 send_gone(t)
@@ -55,17 +55,17 @@ def test_items_reach_their_own_call_in_order_and_strays_are_dropped():
             raw.send(b"\x06call-a")  # a key and nothing else
             raw.send(b"")
             send_a(ITEMS[-1])
-            got_a = await _read(a, 501)
-            got_b = await _read(b, 250)
+            got_a = await _read(a, 2501)
+            got_b = await _read(b, 1250)
             raw.close(0)
             assert got_a == tokens + [ITEMS[-1]]
             assert got_b == tokens[1::2]
-            assert inbox.dropped == 500 + 3
+            assert inbox.dropped == 2500 + 3
             inbox.close_box(a)
             send_a("data: late\n\n")
             send_b("data: on time\n\n")
             assert await _read(b, 1) == ["data: on time\n\n"]
-            assert inbox.dropped == 504
+            assert inbox.dropped == 2504
             with pytest.raises(ValueError):
                 outbox.sender(inbox.address, "k" * 256)
         finally:
