@@ -38,7 +38,7 @@ class ResponsesStore:
     - Any read or write of an entry, through any of the three views, renews the whole entry:
       its place in the count order and its age (``ttl_s`` seconds, ``time.monotonic``).
     - Past ``max_entries`` entries, the least recently used entry that is done leaves; a request
-      still rendering (messages written, no response yet) leaves only when none is done. A running
+      still generating (messages written, no response yet) leaves only when none is done. A running
       background response (in vLLM's ``background_tasks``) never leaves, by count or by age, so its
       cancel and its stream always find it; it counts towards ``max_entries``, which the store
       passes only while more than that many requests run.
