@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+ESCALATE_AFTER_S = 3.0
+"""A stop signal escalates only this long after the last one: one stop often arrives twice within
+milliseconds (SIGTERM to make's process group reaches this process, and make passes its own on)."""
 
 
 def run_stopping_gently(command: list[str], pass_fds: tuple[int, ...] = ()) -> int:
@@ -183,7 +187,9 @@ def run_stopping_gently(command: list[str], pass_fds: tuple[int, ...] = ()) -> i
     ``STOP_SIGNALS`` sent to this process (Ctrl-C, or SIGTERM to ``make serve``'s process group)
     becomes one SIGINT to the command's process group (``serve run`` shuts Serve and its Ray
     cluster down on Ctrl-C; on SIGTERM Ray prints a stack, ``SystemExit: 15`` and may abort in its
-    teardown); a second such signal sends SIGTERM, a third SIGKILL.
+    teardown); a second such signal sends SIGTERM, a third SIGKILL, each only if it comes at least
+    ``ESCALATE_AFTER_S`` after the last one passed on (one stop often arrives twice: from the
+    process group's kill and from make, which passes its own SIGTERM on).
 
     Returns 0 when a requested stop ended the command quietly (exit 0, or by the SIGINT), else
     the command's status (a signal's as ``128 + signum``); 1 if it cannot start.
@@ -197,11 +203,14 @@ def run_stopping_gently(command: list[str], pass_fds: tuple[int, ...] = ()) -> i
         print(f"{PROG}: cannot run {command[0]!r}: {e}", file=sys.stderr)
         return 1
     escalation = [signal.SIGINT, signal.SIGTERM, signal.SIGKILL]
-    asked: list[int] = []
+    asked: list[float] = []  # when each signal that was passed on came (time.monotonic)
 
     def stop(signum: int, _frame: object) -> None:
+        now = time.monotonic()
+        if asked and now - asked[-1] < ESCALATE_AFTER_S:
+            return  # the same stop, delivered twice
         sent = escalation[min(len(asked), len(escalation) - 1)]
-        asked.append(signum)
+        asked.append(now)
         try:
             os.killpg(child.pid, sent)
         except ProcessLookupError:  # already gone
