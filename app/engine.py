@@ -217,6 +217,7 @@ class VLLMEngine:
             async for _ in self.engine.generate(prompt, SamplingParams(max_tokens=1), f"warmup-{uuid.uuid4().hex}"):
                 pass
             await self.frontend.load_adapters()
+            await self._tell_relay_adapters()
             await self._load_runtime_adapters()
             self._warmed = True
             logger.info("engine replica %s warmed up", self.replica_id)
@@ -234,6 +235,7 @@ class VLLMEngine:
                 continue
             answer = await self.frontend.models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=name,
                                                                                          lora_path=path))
+            await self._tell_relay_adapters()
             self._book_loaded.add(name)
             if isinstance(answer, ErrorResponse):
                 logger.error("engine replica %s: adapter %s (%s) loaded at run time does not load here: %s",
@@ -259,9 +261,20 @@ class VLLMEngine:
             return {"ok": f"Success: LoRA adapter '{body.lora_name}' added successfully."}  # vLLM's words
         self._book_loaded.discard(body.lora_name)
         answer = await (models.load_lora_adapter(body) if op == "load" else models.unload_lora_adapter(body))
+        await self._tell_relay_adapters()  # before any request can use the adapter: see set_adapter_paths
         if isinstance(answer, ErrorResponse):
             return {"error": answer.model_dump()}
         return {"ok": answer}
+
+    async def _tell_relay_adapters(self) -> None:
+        """Give the relay the path of every adapter the engine holds, by the id its events carry: vLLM
+        keys an adapter's blocks by name and path (a name loaded again from another path shares no
+        block), its events carry the name and id only (``routing.relay.KeyRelay.set_adapter_paths``).
+        Sent in the same turn of the loop as the load that changed them, so no request of the adapter
+        runs before; the relay applies it before any later event."""
+        paths = {r.lora_int_id: r.lora_path for r in self.frontend.models.lora_requests.values()}
+        if paths:
+            await asyncio.wrap_future(self.relay.set_adapter_paths(paths))
 
     async def _follow_hit_group(self) -> None:
         """Have the relay follow the KV-cache group that decides a prefix hit, before any request

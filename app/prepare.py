@@ -145,8 +145,9 @@ class Preparer:
             ids = prompts[0]
             return EngineRequest(
                 request_id=f"chatcmpl-{req.request_id}", prompt_token_ids=array("I", ids), body=req,
-                cache_salt=req.cache_salt, lora_name=lora, trace_headers=tracing.inject(),
-                block_size=self.args.engine.block_size, prefill_tokens=sum(len(p) for p in prompts))
+                cache_salt=req.cache_salt, lora_name=lora and lora[0], lora_path=lora and lora[1],
+                trace_headers=tracing.inject(), block_size=self.args.engine.block_size,
+                prefill_tokens=sum(len(p) for p in prompts))
         except Exception as e:  # noqa: BLE001 - the preparation's boundary: every error mapped once, as vLLM's
             return refusal(e, stage, "messages")
 
@@ -230,16 +231,20 @@ class Preparer:
         check_report_mode(body)
         return body
 
-    async def resolve_model(self, model: str | None) -> str | None:
-        """The LoRA adapter ``model`` names (None: the served model, or unset); raises ``OpenAIError``
-        404 unless it is the served model, a configured adapter or one loaded at run time."""
+    async def resolve_model(self, model: str | None) -> tuple[str, str] | None:
+        """The LoRA adapter ``model`` names, as ``(name, path)`` (the path the engines load it from:
+        vLLM keys an adapter's blocks by both), or None for the served model (or unset); raises
+        ``OpenAIError`` 404 unless it is the served model, a configured adapter or one loaded at run time."""
         registry = self.renderer.registry
         if not model or registry.is_base_model(model):
             return None
-        if model in registry.lora_requests:
-            return model
-        if self.runtime_adapters is not None and model in await self.runtime_adapters():
-            return model
+        configured = registry.lora_requests.get(model)
+        if configured is not None:
+            return model, configured.lora_path
+        if self.runtime_adapters is not None:
+            path = (await self.runtime_adapters()).get(model)
+            if path is not None:
+                return model, path
         names = ", ".join(m.name for m in registry.base_model_paths)
         raise OpenAIError(f"The model `{model}` does not exist. Valid aliases: {names}.", 404,  # vLLM's words
                           "NotFoundError", "model")
@@ -264,14 +269,18 @@ class Preparer:
         inputs = answer.response[1] if kind == CHAT else answer.response
         return [list(i.get("prompt_token_ids") or ()) for i in inputs]
 
-    def engine_request(self, kind: str, req: Any, prompts: list[list[int]], lora: str | None = None) -> EngineRequest:
-        """The ``EngineRequest`` of a rendered request: the ids once, as arrays, out of the body."""
+    def engine_request(self, kind: str, req: Any, prompts: list[list[int]],
+                       lora: tuple[str, str] | None = None) -> EngineRequest:
+        """The ``EngineRequest`` of a rendered request: the ids once, as arrays, out of the body;
+        ``lora`` is the adapter's ``(name, path)`` (``resolve_model``)."""
+        lora_name, lora_path = lora if lora is not None else (None, None)
         ids = prompts[0] if prompts else []
         if kind == RESPONSES:  # vLLM's Responses serving renders its own prompt: the ids are for routing
             return EngineRequest(
                 request_id=req.request_id, prompt_token_ids=array("I", ids), body=req, cache_salt=req.cache_salt,
-                lora_name=lora, trace_headers=tracing.inject(), block_size=self.args.engine.block_size,
-                prefill_tokens=len(ids), home_replica=home_of(req.previous_response_id))
+                lora_name=lora_name, lora_path=lora_path, trace_headers=tracing.inject(),
+                block_size=self.args.engine.block_size, prefill_tokens=len(ids),
+                home_replica=home_of(req.previous_response_id))
         ids_into = None
         if kind == CHAT:
             if ids and not req.echo:
@@ -291,7 +300,8 @@ class Preparer:
             ids_into=ids_into,
             body=req,
             cache_salt=req.cache_salt,
-            lora_name=lora,
+            lora_name=lora_name,
+            lora_path=lora_path,
             trace_headers=tracing.inject(),
             block_size=self.args.engine.block_size,
             prefill_tokens=sum(len(p) for p in prompts) * max(1, req.n or 1),

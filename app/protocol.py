@@ -81,6 +81,8 @@ class EngineRequest:
             vLLM. ``None`` for a request built only to be routed.
         cache_salt: tenant salt; blocks under different salts never match.
         lora_name: LoRA adapter name, or None for the base model.
+        lora_path: that adapter's path as the engines load it (configured or
+            loaded at run time): vLLM keys an adapter's blocks by name and path.
         trace_headers: W3C trace-context headers (``traceparent``/``tracestate``).
         block_size: the engines' KV block size in tokens, from the app config
             (0: unknown), so a router scores requests before the engines'
@@ -109,6 +111,7 @@ class EngineRequest:
     ids_into: str | None = None
     cache_salt: str | None = None
     lora_name: str | None = None
+    lora_path: str | None = None
     trace_headers: dict[str, str] = field(default_factory=dict)
     block_size: int = 0
     router_error: str | None = None

@@ -265,7 +265,7 @@ class PrefixAffinityRouter(RequestRouter):
 
     def _route_request(self, request: EngineRequest, block_size: int) -> RouteRequest:
         keys = block_keys(request.prompt_token_ids, block_size, cache_salt=request.cache_salt,
-                          lora_name=request.lora_name)
+                          lora_name=request.lora_name, lora_path=request.lora_path)
         return RouteRequest(keys, len(request.prompt_token_ids), block_size, request.prefill_tokens,
                             request.bypass_cache, request.request_id)
 

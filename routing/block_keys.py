@@ -14,9 +14,13 @@ fingerprints the whole prefix ``token_ids[: (i + 1) * B]`` by chaining::
   the chaining loop (C, ``routing/_chain.c``, on xxHash's C library) hash each
   block where it lies in the token buffer.
 * ``tail_i``: the block's extra keys; empty when there are none, else
-  ``b"\\xff" + msgpack([lora_name, cache_salt, other])``.  As in vLLM, the
-  LoRA adapter name goes into every block and the ``cache_salt`` only into
-  the first block of a sequence (the block without a parent).  ``other``
+  ``b"\\xff" + msgpack([lora, cache_salt, other])``.  As in vLLM, the
+  LoRA adapter goes into every block and the ``cache_salt`` only into the
+  first block of a sequence (the block without a parent).  ``lora`` is the
+  adapter's identity as vLLM hashes it (``_gen_lora_extra_hash_keys``: name
+  and path, so a name re-pointed to another path shares no block):
+  ``[name, path]``, or the name alone where the path is unknown (such keys
+  never match a router's, which always knows the path).  ``other``
   holds multimodal / prompt-embeds extra keys seen in ``BlockStored``
   events; the router cannot compute those from token ids, so such blocks
   never match a text-only prompt, which is right.
@@ -142,15 +146,18 @@ def _chain_with_tails(tokens: array, block_size: int, seed: int, tails: Sequence
     return keys
 
 
-def extra_keys_tail(lora_name: str | None, cache_salt: str | None, other: Sequence[Any] | None = None) -> bytes:
+def extra_keys_tail(lora_name: str | None, cache_salt: str | None, other: Sequence[Any] | None = None,
+                    lora_path: str | None = None) -> bytes:
     """Bytes appended to one block's token bytes for its extra keys.
 
     ``b""`` when the block has none, so plain blocks hash only their tokens.
-    ``other`` must be msgpack-encodable.
+    ``other`` must be msgpack-encodable.  ``lora_path`` (the adapter's path, as
+    the engine loaded it) goes in with ``lora_name``; without it the name alone.
     """
     if lora_name is None and not cache_salt and not other:
         return b""
-    return b"\xff" + _msgpack_encode([lora_name, cache_salt or None, list(other) if other else None])
+    lora = lora_name if lora_name is None or lora_path is None else [lora_name, lora_path]
+    return b"\xff" + _msgpack_encode([lora, cache_salt or None, list(other) if other else None])
 
 
 def block_keys(
@@ -160,6 +167,7 @@ def block_keys(
     cache_salt: str | None = None,
     lora_name: str | None = None,
     parent: int | None = None,
+    lora_path: str | None = None,
 ) -> Keys:
     """Keys of the full blocks of ``token_ids``, chained from ``parent``.
 
@@ -171,6 +179,8 @@ def block_keys(
         lora_name: the LoRA adapter name; folded into every block.
         parent: key of the block just before ``token_ids[0]``, or None when
             ``token_ids`` starts the sequence.
+        lora_path: the adapter's path as the engines load it (configured or
+            loaded at run time); folded in with ``lora_name``.
 
     Returns:
         ``len(token_ids) // block_size`` keys (``Keys``); key ``i`` covers
@@ -185,9 +195,9 @@ def block_keys(
     if lora_name is None and not salt:
         return chain_keys(tokens, block_size, seed)
     n_blocks = len(tokens) // block_size
-    tails = [extra_keys_tail(lora_name, None)] * n_blocks
+    tails = [extra_keys_tail(lora_name, None, lora_path=lora_path)] * n_blocks
     if n_blocks:
-        tails[0] = extra_keys_tail(lora_name, salt)
+        tails[0] = extra_keys_tail(lora_name, salt, lora_path=lora_path)
     return _chain_with_tails(tokens, block_size, seed, tails)
 
 
@@ -227,6 +237,7 @@ def block_keys_from_stored(
     *,
     lora_name: str | None = None,
     extra_keys: Sequence[Sequence[Any] | None] | None = None,
+    lora_path: str | None = None,
 ) -> Keys:
     """Keys of the blocks carried by one ``BlockStored`` event.
 
@@ -242,6 +253,8 @@ def block_keys_from_stored(
             starts a sequence (its ``parent_block_hash`` is None).
         lora_name: the event's ``lora_name``.
         extra_keys: the event's ``extra_keys`` (one entry per block), or None.
+        lora_path: the path of the adapter the event's ``lora_id`` names, as
+            the engine loaded it (events carry the name only); None: unknown.
 
     Returns:
         One key per full block of ``token_ids`` (``Keys``).
@@ -254,11 +267,12 @@ def block_keys_from_stored(
     seed = ROOT_SEED if parent is None else parent
     if extra_keys:
         tails = [
-            extra_keys_tail(*split_event_extra_keys(extra_keys[i] if i < len(extra_keys) else None, lora_name))
+            extra_keys_tail(*split_event_extra_keys(extra_keys[i] if i < len(extra_keys) else None, lora_name),
+                            lora_path=lora_path)
             for i in range(n_blocks)
         ]
     elif lora_name is not None:
-        tails = [extra_keys_tail(lora_name, None)] * n_blocks
+        tails = [extra_keys_tail(lora_name, None, lora_path=lora_path)] * n_blocks
     else:
         return chain_keys(tokens, block_size, seed)
     return _chain_with_tails(tokens, block_size, seed, tails)

@@ -12,7 +12,8 @@ Per engine and tier it keeps:
 
 * ``key_of: engine block hash -> key``: each cached engine block's key
   (``routing.block_keys``: the chain of token ids from the parent's key, the
-  cache_salt and the LoRA name folded in).  A ``BlockStored`` names its parent
+  cache_salt and the LoRA adapter's name and path folded in; the path from
+  ``set_adapter_paths``, as the events carry only the adapter's name and id).  A ``BlockStored`` names its parent
   by engine hash; the parent's key is looked up here (either tier: a host
   chunk's parent may be on GPU only);
 * ``copies: engine hash -> n`` for blocks the engine stored more than once
@@ -20,8 +21,8 @@ Per engine and tier it keeps:
   own ``BlockRemoved``; the host tier re-announces blocks shared by two
   offloaded chunks, once per chunk);
 * ``refs: key -> n``, the distinct engine hashes mapping to each key held
-  (``n >= 2`` e.g. for a LoRA name re-pointed to another path: the engine hash
-  covers the path, our key does not).
+  (``n >= 2`` when the engine's hash covers something our key does not, e.g. an
+  adapter whose path the relay was not told: keyed by its name alone).
 
 A key is announced (``KeysStored``) on a tier when the engine's first block
 with that key is stored there and withdrawn (``KeysRemoved``) when its last one
@@ -151,6 +152,9 @@ class RelayStats:
     """Events of a medium the router does not route on (e.g. ``"STORAGE"``)."""
     clears: int = 0
     """``AllBlocksCleared`` events and ``clear()`` calls."""
+    unknown_adapter_events: int = 0
+    """``BlockStored`` of a LoRA adapter whose ``lora_id`` the relay was not told a path for
+    (``set_adapter_paths``): keyed by name alone, so no router's key matches them."""
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -176,6 +180,7 @@ class KeyRelay:
         self.key_of: tuple[dict[EngineBlockHash, int], ...] = tuple({} for _ in _TIERS)
         self.copies: tuple[dict[EngineBlockHash, int], ...] = tuple({} for _ in _TIERS)
         self.refs: tuple[dict[int, int], ...] = tuple({} for _ in _TIERS)
+        self.lora_paths: dict[int, str] = {}  # the engine's adapter id -> the path it loaded
 
     def __len__(self) -> int:
         """Distinct keys held on GPU."""
@@ -206,6 +211,14 @@ class KeyRelay:
             self.block_size = block_size
         self.clear()
         return True
+
+    def set_adapter_paths(self, paths: dict[int, str]) -> None:
+        """The paths of the engine's LoRA adapters by ``lora_id`` (vLLM's ``LoRARequest.lora_int_id``
+        to ``lora_path``), as the engine loaded them: vLLM hashes an adapter's blocks with its name
+        and path, while its events carry only the name and the id, so the relay folds the path in
+        from here (``routing.block_keys``). Ids the engine gives again (an in-place reload of a
+        name) take their new path; others are kept, as their blocks' events may still come."""
+        self.lora_paths.update(paths)
 
     def apply(self, events: list[KVEvent]) -> list[KeyEvent]:
         """Fold one batch of the engine's events in; returns the key events it causes, in order.
@@ -284,8 +297,13 @@ class KeyRelay:
             if _LITTLE_ENDIAN and ev.lora_name is None and not ev.extra_keys:
                 keys = chain_keys(array("I", ev.token_ids), bs, seed)
             else:
+                lora_path = None
+                if ev.lora_name is not None:
+                    lora_path = self.lora_paths.get(ev.lora_id) if ev.lora_id is not None else None
+                    if lora_path is None:
+                        self.stats.unknown_adapter_events += 1
                 keys = block_keys_from_stored(ev.token_ids, bs, None if parent is None else seed,
-                                              lora_name=ev.lora_name, extra_keys=ev.extra_keys)
+                                              lora_name=ev.lora_name, extra_keys=ev.extra_keys, lora_path=lora_path)
         except (ValueError, TypeError, OverflowError):
             self.stats.malformed_events += 1
             return None

@@ -104,7 +104,9 @@ class RelayServer:
         self._snap = self._socket(zmq.ROUTER)
         self.snapshot_endpoint = f"tcp://{host}:{self._snap.bind_to_random_port(f'tcp://{host}')}"
         self._sub: zmq.Socket | None = None
-        self._inbox: queue.SimpleQueue[tuple[int | None, int | None, Future]] = queue.SimpleQueue()  # to follow
+        # Messages to the loop, which owns the relay's state: ("group", (group_idx, block_size), done)
+        # or ("adapters", {lora_id: path}, done).
+        self._inbox: queue.SimpleQueue[tuple[str, object, Future]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._supervise, name="kv-event-relay", daemon=True)
@@ -130,7 +132,19 @@ class RelayServer:
         future that is done (True: something changed) once the loop applied it.
         """
         done: Future = Future()
-        self._inbox.put((group_idx, block_size, done))
+        self._inbox.put(("group", (group_idx, block_size), done))
+        return done
+
+    def set_adapter_paths(self, paths: dict[int, str]) -> Future:
+        """The engine's LoRA adapters' paths by id (``KeyRelay.set_adapter_paths``).
+
+        Any thread: the loop applies it before it applies any vLLM batch it reads
+        afterwards, so a caller that sends it as soon as the engine loaded an adapter
+        (before a request can use it) has that adapter's blocks keyed by its path.
+        Returns a future that is done once the loop applied it.
+        """
+        done: Future = Future()
+        self._inbox.put(("adapters", dict(paths), done))
         return done
 
     def close(self) -> None:
@@ -162,6 +176,7 @@ class RelayServer:
             self._heartbeat = time.monotonic()
             self._read_inbox()
             ready = dict(poller.poll(timeout=100))
+            self._read_inbox()  # a message sent while polling precedes the events that woke the poll
             if ready.get(self._snap):
                 self._answer_snapshots()
             if ready.get(sub):
@@ -178,9 +193,16 @@ class RelayServer:
     def _read_inbox(self) -> None:
         while True:
             try:
-                group_idx, block_size, done = self._inbox.get_nowait()
+                kind, body, done = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            if kind == "adapters":
+                self.relay.set_adapter_paths(body)  # type: ignore[arg-type]
+                done.set_result(True)
+                continue
+            group_idx: int | None
+            block_size: int | None
+            group_idx, block_size = body  # type: ignore[misc]
             try:
                 changed = self.relay.follow_group(group_idx, block_size)
             except ValueError as e:

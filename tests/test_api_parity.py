@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import time
 from typing import Any
 
 import httpx
@@ -575,6 +577,32 @@ def test_an_adapter_loaded_at_run_time_answers_as_the_configured_one_and_as_vllm
     (status, out) = _post(app, CHAT, chat(model=name, max_tokens=8))
     assert status == 200 and unary_text(out) == texts[ADAPTER]
     assert httpx.post(f"{app}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=120).status_code == 200
+
+
+def test_an_adapter_reloaded_from_another_path_is_routed_as_the_engine_reuses_it(servers, tmp_path):
+    """vLLM keys an adapter's blocks by name and path: a name unloaded and loaded again from another
+    path (the same weights, copied) reuses none of the first load's blocks. The router's prediction
+    (the decision record's ``matched_tokens``) equals the engine's ``cached_tokens`` at each step
+    (issue 38, fault 4: it predicted the first load's blocks, 0 reused)."""
+    app, name = servers[0], "tiny-lora-moved"
+    first, second = REPO / "models" / "tiny-qwen2-lora", tmp_path / "tiny-qwen2-lora-copy"
+    shutil.copytree(first, second)
+    body = cmpl(model=name, max_tokens=1, cache_salt="lora-identity")
+
+    def predicted_and_cached() -> tuple[int, int]:
+        status, out = _post(app, CMPL, body)
+        assert status == 200, out
+        d = httpx.get(f"{app}/debug/routing/decisions/{out['id']}", timeout=30).json()
+        time.sleep(0.3)  # the engine's BlockStored reaches the index before the next request
+        return d["matched_tokens"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    for path in (first, second):
+        got = httpx.post(f"{app}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}, timeout=120)
+        assert got.status_code == 200, got.text
+        assert predicted_and_cached() == (0, 0)  # the first request under this path
+        again = predicted_and_cached()
+        assert again[0] == again[1] > 0, again
+        assert httpx.post(f"{app}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=120).status_code == 200
 
 
 def test_batch_chat_answers_as_vllms_server_does(servers):
