@@ -107,10 +107,12 @@ lint: install
 	$(PY) -m mypy
 
 # Router cost against Dynamo's RadixTree, then routing latency while the router's loop loads a
-# 2 M-key snapshot and clears a 2 M-key replica (bench/owner_loop.py).
-bench: install
+# 2 M-key snapshot and clears a 2 M-key replica (bench/owner_loop.py), then the ingress's serving-loop
+# stall while it prepares 3.7 MiB token-id completion bodies (bench/ingress_stall.py, about 30 s).
+bench: install model
 	$(PY) -m bench.router_overhead --json reports/router_overhead.json
 	$(PY) -m bench.owner_loop --json reports/owner_loop.json
+	$(PY) -m bench.ingress_stall --json reports/ingress_stall.json
 
 # The framework's own cost beside vLLM's server: one engine each, the same streamed requests alternating
 # in one run (TTFT, the gap between tokens, requests/s at 8 and 32 streams, CPU per request by process).
