@@ -37,6 +37,7 @@ from app import tracing
 from app.config import AppArgs
 from app.errors import OpenAIError
 from app.home import home_of
+from app.json_body import decode_pieces
 from app.protocol import IDS_INTO_KV_TRANSFER_PARAMS, IDS_INTO_PROMPT, EngineRequest, StoredResponseCall
 from app.results import Failed, from_vllm
 
@@ -56,7 +57,14 @@ items hold it about 40 ms on the development VM, 52,000 (a 2.6 MiB body) about
 0.5-1 s, stalling every thread of the ingress, the serving loop included."""
 _TokenId = Annotated[int, msgspec.Meta(ge=0)]  # vLLM's CompletionRequest: list[Annotated[int, Field(ge=0)]]
 PIECEWISE_BODY_BYTES = 64 * 1024
-"""Completion bodies larger than this with a list of token-id prompts take ``token_prompts_request``."""
+"""HTTP bodies larger than this are decoded a piece at a time (``app.json_body.decode_pieces``)."""
+PIECEWISE_PROMPT_IDS = 16_384
+"""A completion's token-id prompts with more ids than this in all are validated a prompt at a time
+(``token_prompts_request``); 16 K ids take pydantic about 1 ms."""
+MAX_FIELD_ITEMS = 4096
+"""Most items a list or object field of a request may hold (``check_size``), but for the prompt and
+the conversation (their own bounds) and lists of numbers: validating 4,096 tool definitions holds
+the GIL about 20 ms, 51,000 (a 4 MiB body) 0.7 s; 300,000 ``logit_bias`` entries about 65 ms."""
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate
 _SERVER_SIDE = (TimeoutError, MemoryError, NotImplementedError, RuntimeError)
 """Rendering failures that are the service's, not the client's text: vLLM's status stays."""
@@ -228,18 +236,14 @@ class Preparer:
         """vLLM's request model of ``body``; raises ``OpenAIError`` (400) for a body that is not
         a JSON object of valid text or is too large in items, pydantic's or vLLM's error otherwise."""
         model_cls = _request_model(kind)
-        if kind == COMPLETION and isinstance(body, (bytes, bytearray)) and len(body) > PIECEWISE_BODY_BYTES:
-            req = token_prompts_request(body, self.args.engine.max_model_len)
-            if req is not None:
-                check_report_mode(req)
-                return req
         if not isinstance(body, model_cls):
             if isinstance(body, (bytes, bytearray)):
                 body = decode(body)
             else:  # a handle caller's object: may share or contain itself, unlike parsed JSON
                 body = _object(body, check_text=True, max_values=self.args.max_request_body_bytes // 2)
             check_size(kind, body, self.args.engine.max_model_len)
-            body = model_cls.model_validate(body)
+            validated = token_prompts_request(body) if kind == COMPLETION else None
+            body = validated if validated is not None else model_cls.model_validate(body)
         check_report_mode(body)
         return body
 
@@ -373,56 +377,36 @@ def validation_error(e: Any) -> Failed:
     return Failed.of(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param)
 
 
-def token_prompts_request(raw: bytes | bytearray, max_model_len: int) -> Any:
-    """vLLM's ``CompletionRequest`` of a body whose ``prompt`` is a list of token-id prompts, made
-    a prompt at a time; None for a body of another shape (``request`` takes it whole).
+def token_prompts_request(body: dict[str, Any]) -> Any:
+    """vLLM's ``CompletionRequest`` of a decoded body whose ``prompt`` is a list of more than
+    ``PIECEWISE_PROMPT_IDS`` token ids in all, validated a prompt at a time; None for a body of
+    another shape (validated whole).
 
-    ``json.loads`` and pydantic's validation of 256 prompts of 3,800 ids (3.7 MiB) are two calls
-    of 50-110 ms each that hold the GIL throughout, so a worker thread does not keep the serving
-    loop answering. Here no call takes more than one scan of the body: msgspec splits the body
-    into its fields and the prompt list into its prompts without building them (about 1.3 ms a
-    MiB each), then decodes each prompt as non-negative ints; the other fields are decoded by
-    ``json.loads``, and the request is validated with each prompt cut to its first id (the same
-    count, types and emptiness for vLLM's validators), the decoded prompts put in after. A prompt
-    msgspec refuses (a float, a string, a negative id) is decoded by ``json.loads`` and validated
-    by pydantic in place, so the result and every error are those of the whole body's validation.
-
-    Raises ``OpenAIError`` (400) for a prompt longer than ``max_model_len`` (as ``check_size``),
-    and pydantic's ``ValidationError`` as vLLM's model raises it.
+    pydantic's validation of 256 prompts of 3,800 ids is one call that holds the GIL 40-60 ms.
+    Here msgspec checks each prompt for non-negative ints (one short call each), and vLLM's model
+    validates the request with each such prompt cut to its first id (the same count, types and
+    emptiness for its validators); the prompts are put in after. A prompt msgspec refuses (a float
+    or string id, a negative id) is validated by pydantic in place, so the request and every
+    error are those of the whole body's validation.
     """
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], list)):
+        return None
+    if sum(len(p) if isinstance(p, list) else 1 for p in prompt) <= PIECEWISE_PROMPT_IDS:
+        return None
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    if _SURROGATE_ESCAPE.search(raw):
-        return None
-    try:
-        fields = msgspec.json.decode(raw, type=dict[str, msgspec.Raw])
-        prompt = fields.get("prompt")
-        parts = msgspec.json.decode(prompt, type=list[msgspec.Raw]) if prompt is not None else None
-    except msgspec.DecodeError:  # not an object, not JSON, or a prompt that is no list: the whole body's path
-        return None
-    if not parts or not bytes(parts[0]).lstrip().startswith(b"["):  # not a list of lists
-        return None
-    try:
-        rest = {k: json.loads(bytes(v)) for k, v in fields.items() if k != "prompt"}
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    prompts: list[Any] = []
     strict: list[bool] = []
-    for part in parts:
+    for p in prompt:
         try:
-            prompts.append(msgspec.json.decode(part, type=list[_TokenId]))
+            msgspec.convert(p, type=list[_TokenId])
             strict.append(True)
-        except msgspec.DecodeError:
-            try:
-                prompts.append(json.loads(bytes(part)))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                return None
+        except msgspec.ValidationError:
             strict.append(False)
-    check_size(COMPLETION, {"prompt": prompts}, max_model_len)
-    cut = [p[:1] if ok else p for p, ok in zip(prompts, strict, strict=True)]
-    req = CompletionRequest.model_validate({**rest, "prompt": cut})
+    cut = [p[:1] if ok else p for p, ok in zip(prompt, strict, strict=True)]
+    req = CompletionRequest.model_validate({**body, "prompt": cut})
     validated: list[Any] = req.prompt  # type: ignore[assignment]  # a list of lists, as ``cut`` is
-    req.prompt = [p if ok else v for p, ok, v in zip(prompts, strict, validated, strict=True)]
+    req.prompt = [p if ok else v for p, ok, v in zip(prompt, strict, validated, strict=True)]
     return req
 
 
@@ -430,11 +414,16 @@ def decode(raw: bytes | bytearray) -> dict[str, Any]:
     """The JSON object of an HTTP body; raises ``OpenAIError`` (400) saying why not.
 
     Text that is not valid Unicode (a lone surrogate escape) is refused with its field named.
+    A body over ``PIECEWISE_BODY_BYTES`` is decoded a piece at a time (``app.json_body``).
     """
+    if len(raw) > PIECEWISE_BODY_BYTES:  # no one call holds the GIL for all of it (app.json_body)
+        return _object(decode_pieces(raw), check_text=bool(_SURROGATE_ESCAPE.search(raw)))
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise OpenAIError(f"request body is not valid JSON: {e}", 400) from None
+    except RecursionError:
+        raise OpenAIError("request body is not valid JSON: nested too deeply", 400) from None
     return _object(body, check_text=bool(_SURROGATE_ESCAPE.search(raw)))  # only an escape carries a surrogate
 
 
@@ -449,30 +438,59 @@ def _object(body: Any, check_text: bool, max_values: int | None = None) -> dict[
     return body
 
 
+CONVERSATION_FIELD = {CHAT: "messages", CHAT_BATCH: "messages", MESSAGES: "messages", "count_tokens": "messages",
+                      RESPONSES: "input"}
+"""The field holding each kind's conversation, bounded by ``MAX_MESSAGE_ITEMS``."""
+
+
 def check_size(kind: str, body: dict[str, Any], max_model_len: int) -> None:
     """Raises ``OpenAIError`` (400) for a body too large in items to validate without
     stalling the ingress, naming the field. A cheap Python scan, run before pydantic.
 
-    Chat: more than ``MAX_MESSAGE_ITEMS`` messages plus content parts. Completions:
-    a token-id prompt longer than ``max_model_len``, refused as vLLM refuses it
-    (its message and ``param``), but before every id is validated.
+    The conversation (``CONVERSATION_FIELD``): more than ``MAX_MESSAGE_ITEMS`` messages (or
+    input items) plus content parts. Completions: a token-id prompt longer than
+    ``max_model_len``, refused as vLLM refuses it (its message and ``param``), but before
+    every id is validated. Any other list or object field: more than ``MAX_FIELD_ITEMS``
+    items, unless it is a list of numbers (``allowed_token_ids``: validated at about 25 ns an id).
     """
-    if kind == CHAT:
-        messages = body.get("messages")
-        if isinstance(messages, list):
-            items = len(messages) + sum(len(m["content"]) for m in messages
-                                        if isinstance(m, dict) and isinstance(m.get("content"), list))
-            if items > MAX_MESSAGE_ITEMS:
-                raise OpenAIError(f"messages: {items} messages and content parts exceed the limit of "
-                                  f"{MAX_MESSAGE_ITEMS}", 400, param="messages")
-        return
-    prompt = body.get("prompt")
-    prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
-    for p in prompts:
-        if isinstance(p, list) and len(p) > max_model_len:
-            raise OpenAIError(f"This model's maximum context length is {max_model_len} tokens. However, "
-                              f"your prompt contains {len(p)} input tokens. Please reduce the length of "
-                              f"the input prompt.", 400, param="input_tokens")  # vLLM's words and param
+    conversation = CONVERSATION_FIELD.get(kind)
+    if conversation is not None:
+        items = _conversation_items(body.get(conversation))
+        if items > MAX_MESSAGE_ITEMS:
+            noun = "input items" if conversation == "input" else "messages"
+            raise OpenAIError(f"{conversation}: {items} {noun} and content parts exceed the limit of "
+                              f"{MAX_MESSAGE_ITEMS}", 400, param=conversation)
+    else:
+        prompt = body.get("prompt")
+        prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
+        for p in prompts:
+            if isinstance(p, list) and len(p) > max_model_len:
+                raise OpenAIError(f"This model's maximum context length is {max_model_len} tokens. However, "
+                                  f"your prompt contains {len(p)} input tokens. Please reduce the length of "
+                                  f"the input prompt.", 400, param="input_tokens")  # vLLM's words and param
+    for name, value in body.items():
+        if name in (conversation, "prompt") or not isinstance(value, (list, dict)) or len(value) <= MAX_FIELD_ITEMS:
+            continue
+        if isinstance(value, list):
+            try:
+                msgspec.convert(value, type=list[float])  # numbers only: cheap to validate
+                continue
+            except msgspec.ValidationError:
+                pass
+        raise OpenAIError(f"{name}: {len(value)} items exceed the limit of {MAX_FIELD_ITEMS}", 400, param=name)
+
+
+def _conversation_items(value: Any) -> int:
+    """Messages (or input items) plus their content parts; a batch's conversations each counted so."""
+    if not isinstance(value, list):
+        return 0
+    items = len(value)
+    for m in value:
+        if isinstance(m, list):  # a batch: a list of conversations
+            items += _conversation_items(m)
+        elif isinstance(m, dict) and isinstance(m.get("content"), list):
+            items += len(m["content"])
+    return items
 
 
 KV_REPORT_MODE = "kv_cache_report_mode"

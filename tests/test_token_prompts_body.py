@@ -1,10 +1,11 @@
-"""A completion body with a list of token-id prompts is decoded and validated a prompt at a time
-(issue 38, fault 5), with the very result and errors of vLLM's model on the whole body.
+"""A completion body with a list of token-id prompts is validated a prompt at a time (issue 38,
+fault 5), with the very result and errors of vLLM's model on the whole body.
 
-``app.prepare.token_prompts_request`` must give what ``CompletionRequest.model_validate(json.loads(raw))``
-gives for every body it takes (the same request, or a ``ValidationError`` with the same first error),
-and leave every other shape to the whole-body path (None). How long the serving loop stalls during
-such a body is measured by ``python -m bench.ingress_stall`` (``make bench``), not here.
+Through the ingress's ``Preparer.request`` (the body decoded a piece at a time, ``check_size``,
+``app.prepare.token_prompts_request``), every body must give what
+``CompletionRequest.model_validate(json.loads(raw))`` gives: the same request, or the same first
+error. How long the serving loop stalls during such a body is measured by
+``python -m bench.ingress_stall`` (``make bench``), not here.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from app.config import AppArgs
 from app.errors import OpenAIError
-from app.prepare import COMPLETION, PIECEWISE_BODY_BYTES, Preparer, token_prompts_request
+from app.prepare import COMPLETION, PIECEWISE_BODY_BYTES, PIECEWISE_PROMPT_IDS, Preparer, token_prompts_request
 
 pytest.importorskip("vllm.entrypoints.openai.completion.protocol")
 from pydantic import ValidationError  # noqa: E402
@@ -45,15 +46,23 @@ def whole(raw: bytes):
         return refusal(e)
 
 
+PREPARER = Preparer(AppArgs.model_validate({"engine": {"max_model_len": MAX_LEN}}), renderer=None)
+
+
 def piecewise(raw: bytes):
+    """The ingress's request of ``raw`` (decoded a piece at a time: ``raw`` is over 64 KiB)."""
+    assert len(raw) > PIECEWISE_BODY_BYTES
     try:
-        return token_prompts_request(raw, MAX_LEN)
+        return PREPARER.request(COMPLETION, raw)
     except Exception as e:  # noqa: BLE001
         return refusal(e)
 
 
 def dump(req: CompletionRequest) -> dict:
     return req.model_dump(exclude={"request_id"})  # vLLM draws one at random unless the body names it
+
+
+BULK = [ids(3800) for _ in range(5)]  # puts every case over the piecewise sizes, after its own prompts
 
 
 def raw_of(prompt, **fields) -> bytes:
@@ -79,7 +88,7 @@ SAME = {
 
 @pytest.mark.parametrize("name", list(SAME))
 def test_the_piecewise_request_is_vllms_model_of_the_whole_body(name: str) -> None:
-    raw = raw_of(SAME[name], stream=True, temperature=0.5, vllm_xargs={"k": 1})
+    raw = raw_of(SAME[name] + BULK, stream=True, temperature=0.5, vllm_xargs={"k": 1})
     expected, got = whole(raw), piecewise(raw)
     if isinstance(expected, CompletionRequest):
         assert isinstance(got, CompletionRequest), got
@@ -89,27 +98,24 @@ def test_the_piecewise_request_is_vllms_model_of_the_whole_body(name: str) -> No
         assert got == expected
 
 
-@pytest.mark.parametrize("raw", [
-    raw_of("a text prompt"), raw_of(["two", "texts"]), raw_of([1, 2, 3]), raw_of([]), raw_of(None),
-    b'{"model": "m", "max_tokens": 1}', b"[1, 2]", b"not json", b'{"prompt": [[1, 2]]',
-    b'{"prompt": [[1, 2]], "temperature": NaN}',  # json.loads takes NaN, msgspec does not: decoded whole
-    raw_of([[1, 2]], user="\\ud800").replace(b"\\\\ud800", b"\\ud800"),  # a lone surrogate escape
-])
-def test_other_shapes_are_left_to_the_whole_body_path(raw: bytes) -> None:
-    assert token_prompts_request(raw, MAX_LEN) is None
+@pytest.mark.parametrize("prompt", ["a text prompt", ["two", "texts"], [1, 2, 3], [], None, [[1, 2]] * 3])
+def test_other_shapes_and_small_lists_are_validated_whole(prompt) -> None:
+    assert token_prompts_request({"model": "m", "prompt": prompt}) is None
+    assert sum(map(len, BULK)) > PIECEWISE_PROMPT_IDS
 
 
 def test_a_repeated_field_is_decoded_as_json_loads_decodes_it() -> None:
     """The last one wins, the prompt's included."""
-    raw = b'{"model": "m", "max_tokens": 1, "max_tokens": 3, "prompt": [[9]], "prompt": [[1, 2], [3]]}'
+    bulk = json.dumps([[1, 2], [3]] + BULK).encode()
+    raw = b'{"model": "m", "max_tokens": 1, "max_tokens": 3, "prompt": [[9]], "prompt": ' + bulk + b"}"
     expected, got = whole(raw), piecewise(raw)
-    assert got.max_tokens == 3 and got.prompt == [[1, 2], [3]]
+    assert got.max_tokens == 3 and got.prompt[:2] == [[1, 2], [3]]
     assert dump(got) == dump(expected)
 
 
 def test_a_prompt_past_the_context_is_refused_as_vllm_refuses_it() -> None:
     with pytest.raises(OpenAIError) as refused:
-        token_prompts_request(raw_of([ids(3), ids(MAX_LEN + 1)]), MAX_LEN)
+        PREPARER.request(COMPLETION, raw_of([ids(3), ids(MAX_LEN + 1)] + BULK))
     assert refused.value.status == 400 and refused.value.param == "input_tokens"
     assert f"your prompt contains {MAX_LEN + 1} input tokens" in refused.value.message
 
