@@ -31,8 +31,9 @@ from app.errors import OpenAIError
 
 PIECE_BYTES = 64 * 1024
 """Pieces at most this long are decoded whole by ``json.loads`` (about 1-6 ms of the GIL, by shape)."""
-MAX_SPLIT_DEPTH = 6
-"""Levels of objects and arrays split further; a deeper piece is decoded whole (each level is one scan)."""
+MAX_SPLIT_DEPTH = 32
+"""Levels of objects and arrays over ``PIECE_BYTES`` split further (each level is one scan of its
+piece); a deeper one is refused as nested too deeply: no request nests 64 KiB that deep."""
 MAX_ITEMS = 131_072
 """Most items an object or array over ``PIECE_BYTES`` may hold. Splitting one into its items is one
 call that builds each item: about 50 ns an array item and 230 ns an object member (300,000
@@ -82,7 +83,7 @@ def _items_at_most(data: bytes, head: bytes, start: int) -> int:
 
 
 def _decode(piece: memoryview, depth: int, path: str) -> Any:
-    if len(piece) <= PIECE_BYTES or depth >= MAX_SPLIT_DEPTH:
+    if len(piece) <= PIECE_BYTES:
         return json.loads(bytes(piece))
     start = 0
     while piece[start] in _WHITESPACE:  # a piece over PIECE_BYTES has a value after its whitespace, or fails below
@@ -90,6 +91,8 @@ def _decode(piece: memoryview, depth: int, path: str) -> Any:
         if start == len(piece):
             return json.loads(bytes(piece))  # whitespace alone: json.loads's own error
     head = piece[start:start + 1].tobytes()
+    if head in (b"{", b"[") and depth >= MAX_SPLIT_DEPTH:
+        raise RecursionError  # decode_pieces: nested too deeply
     if head in (b"{", b"[") and _items_at_most(bytes(piece), head, start) > MAX_ITEMS:
         where = f"{path}: " if path else "request body: "
         raise OpenAIError(f"{where}a JSON {'object' if head == b'{' else 'array'} of more than {MAX_ITEMS:,} "

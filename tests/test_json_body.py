@@ -13,7 +13,7 @@ import pytest
 
 from app.config import AppArgs
 from app.errors import OpenAIError
-from app.json_body import MAX_ITEMS, PIECE_BYTES, decode_pieces
+from app.json_body import MAX_ITEMS, MAX_SPLIT_DEPTH, PIECE_BYTES, decode_pieces
 from app.prepare import (
     CHAT,
     CHAT_BATCH,
@@ -65,12 +65,15 @@ def test_what_json_loads_does_with_repeated_keys_escapes_and_numbers() -> None:
     assert got["a"] == 2 and got["b"] == {"x": [3]}
 
 
-def test_a_piece_nested_deeper_than_the_splits_is_decoded_whole() -> None:
-    inner = {"leaf": list(range(30_000))}
-    for _ in range(10):
+def test_nesting_is_split_level_by_level_to_its_bound() -> None:
+    inner: object = {"leaf": list(range(30_000))}
+    for _ in range(MAX_SPLIT_DEPTH - 2):  # the leaf list, over 64 KiB, at depth MAX_SPLIT_DEPTH - 1
         inner = {"down": inner, "side": list(range(2_000))}
     raw = json.dumps(inner).encode()
     assert decode_pieces(raw) == json.loads(raw)
+    with pytest.raises(OpenAIError) as refused:  # one level more, each over 64 KiB: no request nests so
+        decode_pieces(json.dumps({"down": inner}).encode())
+    assert refused.value.status == 400 and "nested too deeply" in refused.value.message
 
 
 @pytest.mark.parametrize("raw, why", [
