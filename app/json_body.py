@@ -57,6 +57,7 @@ def decode_pieces(raw: bytes | bytearray | memoryview) -> Any:
             escape), or nested too deeply for ``json.loads``.
     """
     try:
+        bytes(raw).decode("utf-8", "surrogatepass")  # as json.loads reads it; msgspec does not check what it skips
         return _decode(memoryview(raw), 0, "")
     except (msgspec.DecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise OpenAIError(f"request body is not valid JSON (a body over {PIECE_BYTES // 1024} KiB must be "

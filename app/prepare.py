@@ -66,6 +66,14 @@ MAX_FIELD_ITEMS = 4096
 the conversation (their own bounds) and lists of numbers: validating 4,096 tool definitions holds
 the GIL about 20 ms, 51,000 (a 4 MiB body) 0.7 s; 300,000 ``logit_bias`` entries about 65 ms."""
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate
+_SURROGATE_BYTES = re.compile(rb"\xed[\xa0-\xbf]")  # one encoded in UTF-8 (json.loads reads it: surrogatepass)
+
+
+def _may_hold_surrogates(raw: bytes | bytearray) -> bool:
+    """Whether ``raw`` has a surrogate escape or encoded surrogate: a body without holds no lone
+    surrogate. Two searches with a literal first byte each (a fast scan: an alternation of the two
+    is not, about 100 ns a byte)."""
+    return bool(_SURROGATE_ESCAPE.search(raw) or _SURROGATE_BYTES.search(raw))
 _SERVER_SIDE = (TimeoutError, MemoryError, NotImplementedError, RuntimeError)
 """Rendering failures that are the service's, not the client's text: vLLM's status stays."""
 
@@ -250,17 +258,20 @@ class Preparer:
     async def resolve_model(self, model: str | None) -> tuple[str, str] | None:
         """The LoRA adapter ``model`` names, as ``(name, path)`` (the path the engines load it from:
         vLLM keys an adapter's blocks by both), or None for the served model (or unset); raises
-        ``OpenAIError`` 404 unless it is the served model, a configured adapter or one loaded at run time."""
+        ``OpenAIError`` 404 unless it is the served model, a configured adapter or one loaded at run time.
+
+        An adapter loaded at run time (``app.adapters``) wins over a configured one of the same name:
+        a configured adapter loaded again from another path runs from that path."""
         registry = self.renderer.registry
         if not model or registry.is_base_model(model):
             return None
-        configured = registry.lora_requests.get(model)
-        if configured is not None:
-            return model, configured.lora_path
         if self.runtime_adapters is not None:
             path = (await self.runtime_adapters()).get(model)
             if path is not None:
                 return model, path
+        configured = registry.lora_requests.get(model)
+        if configured is not None:
+            return model, configured.lora_path
         names = ", ".join(m.name for m in registry.base_model_paths)
         raise OpenAIError(f"The model `{model}` does not exist. Valid aliases: {names}.", 404,  # vLLM's words
                           "NotFoundError", "model")
@@ -382,32 +393,51 @@ def token_prompts_request(body: dict[str, Any]) -> Any:
     ``PIECEWISE_PROMPT_IDS`` token ids in all, validated a prompt at a time; None for a body of
     another shape (validated whole).
 
-    pydantic's validation of 256 prompts of 3,800 ids is one call that holds the GIL 40-60 ms.
-    Here msgspec checks each prompt for non-negative ints (one short call each), and vLLM's model
-    validates the request with each such prompt cut to its first id (the same count, types and
-    emptiness for its validators); the prompts are put in after. A prompt msgspec refuses (a float
-    or string id, a negative id) is validated by pydantic in place, so the request and every
-    error are those of the whole body's validation.
+    pydantic's validation of 256 prompts of 3,800 ids is one call that holds the GIL 40-60 ms
+    (1.6 s for 1.4 M bad ids, one error each). Here each prompt is checked alone: by msgspec
+    for non-negative ints, else by pydantic against vLLM's type for a prompt of ids
+    (``_TOKEN_PROMPT``, which coerces ``"5"`` and ``5.0`` as vLLM's model does). Then vLLM's model
+    validates the request with each prompt cut to its first id (the same count, types and
+    emptiness for its validators) and the checked prompts are put in. A prompt that is not
+    one of ids goes in whole, the first such only, so the request's first error is the one
+    the whole body's validation gives.
     """
     prompt = body.get("prompt")
     if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], list)):
         return None
     if sum(len(p) if isinstance(p, list) else 1 for p in prompt) <= PIECEWISE_PROMPT_IDS:
         return None
+    from pydantic import ValidationError
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    strict: list[bool] = []
-    for p in prompt:
+    checked: list[Any] = []
+    for i, p in enumerate(prompt):
         try:
-            msgspec.convert(p, type=list[_TokenId])
-            strict.append(True)
+            checked.append(msgspec.convert(p, type=list[_TokenId]))
         except msgspec.ValidationError:
-            strict.append(False)
-    cut = [p[:1] if ok else p for p, ok in zip(prompt, strict, strict=True)]
-    req = CompletionRequest.model_validate({**body, "prompt": cut})
-    validated: list[Any] = req.prompt  # type: ignore[assignment]  # a list of lists, as ``cut`` is
-    req.prompt = [p if ok else v for p, ok, v in zip(prompt, strict, validated, strict=True)]
+            try:
+                checked.append(_token_prompt().validate_python(p))
+            except ValidationError:  # the request fails: vLLM's model says how, on this prompt
+                CompletionRequest.model_validate({**body, "prompt": [q[:1] for q in checked] + [p] + [
+                    q[:1] if isinstance(q, list) else q for q in prompt[i + 1:]]})
+                return CompletionRequest.model_validate(body)  # not reached: the same prompt fails there
+    req = CompletionRequest.model_validate({**body, "prompt": [q[:1] for q in checked]})
+    req.prompt = checked
     return req
+
+
+def _token_prompt() -> Any:
+    """pydantic's adapter for one token-id prompt, vLLM's type (``CompletionRequest.prompt``'s
+    ``list[Annotated[int, Field(ge=0)]]``)."""
+    global _TOKEN_PROMPT
+    if _TOKEN_PROMPT is None:
+        from pydantic import Field, TypeAdapter
+
+        _TOKEN_PROMPT = TypeAdapter(list[Annotated[int, Field(ge=0)]])
+    return _TOKEN_PROMPT
+
+
+_TOKEN_PROMPT: Any = None
 
 
 def decode(raw: bytes | bytearray) -> dict[str, Any]:
@@ -417,14 +447,14 @@ def decode(raw: bytes | bytearray) -> dict[str, Any]:
     A body over ``PIECEWISE_BODY_BYTES`` is decoded a piece at a time (``app.json_body``).
     """
     if len(raw) > PIECEWISE_BODY_BYTES:  # no one call holds the GIL for all of it (app.json_body)
-        return _object(decode_pieces(raw), check_text=bool(_SURROGATE_ESCAPE.search(raw)))
+        return _object(decode_pieces(raw), check_text=_may_hold_surrogates(raw))
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise OpenAIError(f"request body is not valid JSON: {e}", 400) from None
     except RecursionError:
         raise OpenAIError("request body is not valid JSON: nested too deeply", 400) from None
-    return _object(body, check_text=bool(_SURROGATE_ESCAPE.search(raw)))  # only an escape carries a surrogate
+    return _object(body, check_text=_may_hold_surrogates(raw))
 
 
 def _object(body: Any, check_text: bool, max_values: int | None = None) -> dict[str, Any]:

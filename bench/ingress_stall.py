@@ -12,7 +12,7 @@ and fields too large to validate in one short call refused by count (``check_siz
 This benchmark runs the ingress's own preparation (``OpenAIServing._prepare``: the worker
 loop, vLLM's renderer on the tiny model of ``serve_config.yaml``; no engine is asked) and,
 on the serving loop, a ticker that sleeps ``TICK_S`` and records how late each wake-up is:
-the stall another stream's next token would see. Three body shapes (``SHAPES``), each
+the stall another stream's next token would see. Four body shapes (``SHAPES``), each
 within the 4 MiB body limit, ``BODIES`` of each one after another, in three modes in one run:
 
 * ``idle``: the ticker alone;
@@ -56,6 +56,13 @@ def token_prompts(rng: random.Random) -> tuple[str, dict[str, Any]]:
                            "prompt": [[rng.randrange(100, 1000) for _ in range(3800)] for _ in range(256)]}
 
 
+def string_ids(rng: random.Random) -> tuple[str, dict[str, Any]]:
+    """256 completion prompts of 2,900 ids written as JSON strings (``"512"``), which vLLM's model
+    coerces to ints: 3.7 MiB."""
+    return "completions", {"model": MODEL, "max_tokens": 1,
+                           "prompt": [[str(rng.randrange(100, 1000)) for _ in range(2900)] for _ in range(256)]}
+
+
 def logit_bias(rng: random.Random) -> tuple[str, dict[str, Any]]:
     """A completion with 300,000 ``logit_bias`` entries: 3.8 MiB."""
     return "completions", {"model": MODEL, "max_tokens": 1, "prompt": "hi",
@@ -69,7 +76,8 @@ def chat_messages(rng: random.Random) -> tuple[str, dict[str, Any]]:
 
 
 SHAPES: dict[str, Callable[[random.Random], tuple[str, dict[str, Any]]]] = {
-    "token_prompts": token_prompts, "logit_bias": logit_bias, "chat_messages": chat_messages}
+    "token_prompts": token_prompts, "string_ids": string_ids, "logit_bias": logit_bias,
+    "chat_messages": chat_messages}
 """Each shape's (kind, body); what the ingress answers is recorded, not assumed."""
 
 
@@ -130,6 +138,8 @@ def run(n_bodies: int = BODIES) -> dict[str, Any]:
     out: dict[str, Any] = {"bodies_per_shape": n_bodies, "tick_s": TICK_S, "target_p99_ms": TARGET_P99_MS,
                            "body_mib": {n: round(len(b[0][1]) / 2**20, 2) for n, b in bodies.items()},
                            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
+    print("ingress stall: one body of each shape first, unmeasured (imports and caches of first use) ...", flush=True)
+    asyncio.run(_measure(serving, [shaped[0] for shaped in bodies.values()]))
     print("ingress stall, idle: the ticker alone ...", flush=True)
     out["idle"] = asyncio.run(_measure(serving, None))
     _print("idle", "", out["idle"])

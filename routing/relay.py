@@ -153,8 +153,9 @@ class RelayStats:
     clears: int = 0
     """``AllBlocksCleared`` events and ``clear()`` calls."""
     unknown_adapter_events: int = 0
-    """``BlockStored`` of a LoRA adapter whose ``lora_id`` the relay was not told a path for
-    (``set_adapter_paths``): keyed by name alone, so no router's key matches them."""
+    """``BlockStored`` of a LoRA adapter whose ``lora_id`` the relay was not told a path for, or
+    whose path changed under the same id (``set_adapter_paths``): keyed by name alone, so no
+    router's key matches them."""
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -181,6 +182,7 @@ class KeyRelay:
         self.copies: tuple[dict[EngineBlockHash, int], ...] = tuple({} for _ in _TIERS)
         self.refs: tuple[dict[int, int], ...] = tuple({} for _ in _TIERS)
         self.lora_paths: dict[int, str] = {}  # the engine's adapter id -> the path it loaded
+        self.ambiguous_ids: set[int] = set()  # ids loaded again in place from another path
 
     def __len__(self) -> int:
         """Distinct keys held on GPU."""
@@ -216,9 +218,21 @@ class KeyRelay:
         """The paths of the engine's LoRA adapters by ``lora_id`` (vLLM's ``LoRARequest.lora_int_id``
         to ``lora_path``), as the engine loaded them: vLLM hashes an adapter's blocks with its name
         and path, while its events carry only the name and the id, so the relay folds the path in
-        from here (``routing.block_keys``). Ids the engine gives again (an in-place reload of a
-        name) take their new path; others are kept, as their blocks' events may still come."""
-        self.lora_paths.update(paths)
+        from here (``routing.block_keys``). Ids not named keep their path: their blocks' events may
+        still come.
+
+        An id whose path changes (vLLM's ``load_inplace`` keeps the id) is ambiguous from then on:
+        a request admitted before the load still stores blocks of the old path under that id, and
+        nothing in the event tells which path it ran. Its blocks are keyed by name alone (no
+        router's key matches them: an under-prediction, never a hit the engine does not have)
+        until the engine gives the adapter a new id (an unload and a load).
+        """
+        for lora_id, path in paths.items():
+            if lora_id in self.ambiguous_ids or self.lora_paths.get(lora_id, path) != path:
+                self.ambiguous_ids.add(lora_id)
+                self.lora_paths.pop(lora_id, None)
+            else:
+                self.lora_paths[lora_id] = path
 
     def apply(self, events: list[KVEvent]) -> list[KeyEvent]:
         """Fold one batch of the engine's events in; returns the key events it causes, in order.
@@ -300,7 +314,7 @@ class KeyRelay:
                 lora_path = None
                 if ev.lora_name is not None:
                     lora_path = self.lora_paths.get(ev.lora_id) if ev.lora_id is not None else None
-                    if lora_path is None:
+                    if lora_path is None:  # never told, or ambiguous: keyed by name alone
                         self.stats.unknown_adapter_events += 1
                 keys = block_keys_from_stored(ev.token_ids, bs, None if parent is None else seed,
                                               lora_name=ev.lora_name, extra_keys=ev.extra_keys, lora_path=lora_path)

@@ -185,6 +185,7 @@ class RelayServer:
                         frames = sub.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    self._read_inbox()  # a message sent meanwhile precedes the events read after it
                     self._on_vllm(frames)
             if time.monotonic() - self._last_publish >= self.heartbeat_s:
                 self._publish([])

@@ -84,11 +84,22 @@ def test_nesting_is_split_level_by_level_to_its_bound() -> None:
     (b'{"pad": "' + b"x" * PIECE_BYTES + b'"} trailing', "trailing data"),
     (b"[" * 200_000 + b"]" * 200_000, "nested too deeply"),
     (b" " * (PIECE_BYTES + 10), "whitespace only"),
+    (b'{"user": "\xff", "user": "u", "pad": "' + b"x" * PIECE_BYTES + b'"}', "bad UTF-8 a repeated key drops"),
 ])
 def test_a_large_body_that_is_not_standard_json_is_refused(raw: bytes, why: str) -> None:
     with pytest.raises(OpenAIError) as refused:
         decode_pieces(raw)
     assert refused.value.status == 400 and "not valid JSON" in refused.value.message, why
+
+
+@pytest.mark.parametrize("pad", [0, PIECE_BYTES])
+def test_a_surrogate_encoded_in_the_bytes_is_refused_naming_its_field(pad: int) -> None:
+    """json.loads reads UTF-8-encoded surrogates (``surrogatepass``) as a lone surrogate, as it reads
+    a ``\\ud800`` escape: refused like one, small body or large."""
+    raw = b'{"model": "m", "prompt": "hi", "user": "a\xed\xa0\x80b", "pad": "' + b"x" * pad + b'"}'
+    with pytest.raises(OpenAIError) as refused:
+        Preparer(AppArgs(), renderer=None).request(COMPLETION, raw)
+    assert refused.value.status == 400 and refused.value.param == "user", refused.value.message
 
 
 FIELDS = {

@@ -105,13 +105,34 @@ def test_a_name_reloaded_from_another_path_is_predicted_as_the_engine_reuses_it(
     assert _predicted(relay, tokens, v2) == _engine_hit(manager, tokens, v2) == 8 * BS
     assert _predicted(relay, tokens, v1) == _engine_hit(manager, tokens, v1) == 8 * BS  # both held
 
-    # An in-place load (load_inplace) keeps the name's id and changes its path.
-    v3 = _lora(2, "/adapters/sql-v3")
-    relay.set_adapter_paths({2: v3.lora_path})
-    assert _predicted(relay, tokens, v3) == _engine_hit(manager, tokens, v3) == 0
-    relay.apply(decode_batch(_events(manager, _request("c", tokens, v3))).events)
-    assert _predicted(relay, tokens, v3) == _engine_hit(manager, tokens, v3) == 8 * BS
     assert relay.stats.unknown_adapter_events == 0
+
+
+def test_an_adapter_loaded_in_place_from_another_path_is_never_a_phantom_hit() -> None:
+    """vLLM's ``load_inplace`` keeps the name's id and changes its path; a request admitted before
+    the load still stores blocks of the old path under that id, after the relay heard of the new
+    one. The relay keys that id's blocks by name alone from then on: no prediction the engine does
+    not serve (before: 128 predicted, 0 reused), at the price of none for that id until it is
+    loaded anew (an unload and a load give a new id)."""
+    pytest.importorskip("vllm.v1.core.kv_cache_manager")
+    manager, relay = _manager(), KeyRelay(BS)
+    tokens = list(range(5000, 5000 + 8 * BS + 1))
+    old = _lora(2, "/adapters/sql-v2")
+    relay.set_adapter_paths({2: old.lora_path})
+    queued = _request("queued", tokens, old)  # admitted before the reload
+    new = _lora(2, "/adapters/sql-v3")
+    relay.set_adapter_paths({2: new.lora_path})  # the engine replica, as the in-place load returns
+    relay.apply(decode_batch(_events(manager, queued)).events)  # the old request's blocks, after it
+    assert _engine_hit(manager, tokens, old) == 8 * BS and _engine_hit(manager, tokens, new) == 0
+    assert _predicted(relay, tokens, new) == 0 and _predicted(relay, tokens, old) == 0
+    relay.apply(decode_batch(_events(manager, _request("fresh", tokens, new))).events)
+    assert _engine_hit(manager, tokens, new) == 8 * BS and _predicted(relay, tokens, new) == 0  # under-predicted
+    relay.set_adapter_paths({2: new.lora_path})  # the full map again, as every later load sends it
+    assert 2 not in relay.lora_paths and relay.stats.unknown_adapter_events == 2
+    v4 = _lora(3, "/adapters/sql-v4")  # unload and load: a new id, keyed by its path again
+    relay.set_adapter_paths({3: v4.lora_path})
+    relay.apply(decode_batch(_events(manager, _request("v4", tokens, v4))).events)
+    assert _predicted(relay, tokens, v4) == _engine_hit(manager, tokens, v4) == 8 * BS
 
 
 def test_an_adapter_the_relay_was_not_told_of_is_never_predicted() -> None:
@@ -150,3 +171,70 @@ def test_the_relay_applies_an_adapter_path_before_the_events_that_follow_it() ->
     finally:
         relay.close()
         raw.close()
+
+
+def test_a_path_sent_while_the_relay_applies_a_batch_precedes_the_next_batch() -> None:
+    """The loop may be busy applying one vLLM batch (a large one) when the path comes, with the
+    adapter's first batch already waiting on the socket: the path is applied between the two.
+    Deterministic: the first batch's apply waits until the path and the second batch were sent."""
+    pytest.importorskip("vllm.v1.core.kv_cache_manager")
+    import threading
+
+    raw = RawPublisher()
+    relay = RelayServer(raw.endpoint, raw.replay_endpoint, BS)
+    entered, go = threading.Event(), threading.Event()
+    apply = relay._on_vllm
+
+    def busy_first(frames):  # the loop's own method, held on its first batch
+        if not entered.is_set():
+            entered.set()
+            go.wait(5)
+        apply(frames)
+
+    relay._on_vllm = busy_first  # type: ignore[method-assign]
+    try:
+        time.sleep(0.3)  # a PUB drops messages until the SUB's subscription has arrived
+        manager = _manager()
+        filler = _events(manager, _request("filler", list(range(50_000, 50_000 + 2 * BS)), None))
+        lora = _lora(99, "/adapters/late")
+        first_of_adapter = _events(manager, _request("late", list(range(60_000, 60_000 + 2 * BS)), lora))
+        raw.send(0, filler)
+        assert entered.wait(5)
+        relay.set_adapter_paths({lora.lora_int_id: lora.lora_path})
+        raw.send(1, first_of_adapter)
+        time.sleep(0.2)  # both on the socket, the loop still in the first apply
+        go.set()
+        wait_for(lambda: relay.stats["vllm_batches"] == 2)
+        assert relay.relay.stats.unknown_adapter_events == 0
+    finally:
+        go.set()
+        relay.close()
+        raw.close()
+
+
+def test_the_ingress_keys_a_request_by_the_path_its_adapter_runs_from() -> None:
+    """``Preparer.resolve_model`` with vLLM's model registry as the ingress builds it: a configured
+    adapter by its configured path, one loaded at run time by its path in the app's record, and a
+    configured adapter loaded again at run time from another path by that path (the engines run it)."""
+    import asyncio
+
+    from app.config import AppArgs, resolve_path
+    from app.frontend import Renderer
+    from app.prepare import Preparer
+    from tests.conftest import deep_update, default_config
+
+    args = AppArgs.model_validate(deep_update(default_config()["args"], {"serving": {
+        "lora_modules": [{"name": "tiny-lora", "path": "models/tiny-qwen2-lora"}]}}))
+    renderer = Renderer(args)
+    book: dict[str, str] = {"rt": "/adapters/rt"}
+
+    async def runtime() -> dict[str, str]:  # app.adapters.loaded: the app's record of run-time loads
+        return dict(book)
+
+    preparer = Preparer(args, renderer, runtime)
+    resolve = preparer.resolve_model
+    assert asyncio.run(resolve("tiny-lora")) == ("tiny-lora", resolve_path("models/tiny-qwen2-lora"))
+    assert asyncio.run(resolve("rt")) == ("rt", "/adapters/rt")
+    assert asyncio.run(resolve(args.served_model_name)) is None
+    book["tiny-lora"] = "/adapters/tiny-lora-v2"  # POST /v1/load_lora_adapter, load_inplace, another path
+    assert asyncio.run(resolve("tiny-lora")) == ("tiny-lora", "/adapters/tiny-lora-v2")

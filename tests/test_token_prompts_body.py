@@ -83,6 +83,9 @@ SAME = {
     "a text prompt among id prompts": [ids(3), "text"],
     "a null prompt": [ids(3), None],
     "too many prompts": [[1]] * 1025,  # vLLM's VLLM_MAX_COMPLETION_PROMPTS (1024)
+    "every id negative": [[-1] * 4000] * 5,
+    "every id a numeric string": [["7"] * 4000] * 5,
+    "a bad prompt after coerced ones": [[1.0] * 4000, ["2"] * 4000, [3, -3], [4, "x"]],
 }
 
 
