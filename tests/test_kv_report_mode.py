@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 
-import msgspec
 import pytest
 
 from app.config import AppArgs
@@ -22,49 +21,24 @@ from routing.block_keys import block_keys
 from routing.events import decode_batch
 from routing.relay import KeyRelay
 from routing.tiers import Tier
+from tests import vllm_kv
 
-BS = 16
+BS = vllm_kv.BLOCK_SIZE
 
 
 def _manager():
-    import torch
-    from vllm.utils.hashing import sha256_cbor
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.kv_cache_utils import init_none_hash
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    init_none_hash(sha256_cbor)
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    # 6 blocks: the null block and 5 a 65-token prompt needs, so a second such prompt evicts the first.
-    config = KVCacheConfig(num_blocks=6, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-    return KVCacheManager(config, max_model_len=1024, scheduler_block_size=BS, hash_block_size=BS,
-                          enable_kv_cache_events=True)
+    return vllm_kv.manager(6)  # the null block and 5 a 65-token prompt needs: a second such prompt evicts the first
 
 
-def _request(rid: str, tokens: list[int], params):
-    from vllm.utils.hashing import sha256_cbor
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-    from vllm.v1.request import Request
-
-    return Request(rid, tokens, params, None, block_hasher=get_request_block_hasher(BS, sha256_cbor))
+_request = vllm_kv.request
 
 
 def _run(manager, relay: KeyRelay, request) -> None:
     """One request through the engine's KV-cache manager (lookup, allocate, finish), its events to the relay."""
-    from vllm.distributed.kv_events import KVEventBatch
-
-    computed, hit, _ = manager.get_computed_blocks(request)
-    assert manager.allocate_slots(request, request.num_tokens - hit, hit, computed) is not None
-    manager.free(request)
-    batch = KVEventBatch(ts=0.0, events=manager.take_events(), data_parallel_rank=0)
-    relay.apply(decode_batch(msgspec.msgpack.Encoder().encode(batch)).events)
+    relay.apply(decode_batch(vllm_kv.run(manager, request)).events)
 
 
-def _engine_hit(manager, tokens: list[int]) -> int:
-    """Tokens of ``tokens`` vLLM's own prefix lookup finds cached (a default-mode request)."""
-    from vllm.sampling_params import SamplingParams
-
-    return manager.get_computed_blocks(_request("lookup", tokens, SamplingParams(max_tokens=1)))[1]
+_engine_hit = vllm_kv.engine_hit
 
 
 BODIES = {

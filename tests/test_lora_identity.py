@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 import pytest
 
 from routing.block_keys import block_keys
@@ -23,50 +22,24 @@ from routing.events import decode_batch
 from routing.relay import KeyRelay
 from routing.relay_server import RelayServer
 from routing.tiers import Tier
+from tests import vllm_kv
 from tests.owner_loop import wait_for
 from tests.test_relay_reader import RawPublisher
 
-BS = 16
+BS = vllm_kv.BLOCK_SIZE
 NAME = "sql-adapter"
 
 
 def _manager():
-    import torch
-    from vllm.utils.hashing import sha256_cbor
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.kv_cache_utils import init_none_hash
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    init_none_hash(sha256_cbor)
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-    return KVCacheManager(config, max_model_len=1024, scheduler_block_size=BS, hash_block_size=BS,
-                          enable_kv_cache_events=True)
+    return vllm_kv.manager(64)
 
 
 def _request(rid: str, tokens: list[int], lora):
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256_cbor
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-    from vllm.v1.request import Request
-
-    return Request(rid, tokens, SamplingParams(max_tokens=1), None, lora_request=lora,
-                   block_hasher=get_request_block_hasher(BS, sha256_cbor))
+    return vllm_kv.request(rid, tokens, lora=lora)
 
 
-def _events(manager, request) -> bytes:
-    """One request through the engine's KV-cache manager; its events as vLLM's wire payload."""
-    from vllm.distributed.kv_events import KVEventBatch
-
-    computed, hit, _ = manager.get_computed_blocks(request)
-    assert manager.allocate_slots(request, request.num_tokens - hit, hit, computed) is not None
-    manager.free(request)
-    batch = KVEventBatch(ts=0.0, events=manager.take_events(), data_parallel_rank=0)
-    return msgspec.msgpack.Encoder().encode(batch)
-
-
-def _engine_hit(manager, tokens: list[int], lora) -> int:
-    return manager.get_computed_blocks(_request("lookup", tokens, lora))[1]
+_events = vllm_kv.run
+_engine_hit = vllm_kv.engine_hit
 
 
 def _predicted(relay: KeyRelay, tokens: list[int], lora) -> int:
