@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 import msgspec
+from pydantic import Field, TypeAdapter
 
 from app import tracing
 from app.config import AppArgs
@@ -56,6 +57,8 @@ is one call into pydantic's Rust core, which holds the GIL throughout: 4,096
 items hold it about 40 ms on the development VM, 52,000 (a 2.6 MiB body) about
 0.5-1 s, stalling every thread of the ingress, the serving loop included."""
 _TokenId = Annotated[int, msgspec.Meta(ge=0)]  # vLLM's CompletionRequest: list[Annotated[int, Field(ge=0)]]
+_TOKEN_PROMPT = TypeAdapter(list[Annotated[int, Field(ge=0)]])
+"""pydantic's check of one token-id prompt: vLLM's type (``CompletionRequest.prompt``)."""
 PIECEWISE_BODY_BYTES = 64 * 1024
 """HTTP bodies larger than this are decoded a piece at a time (``app.json_body.decode_pieces``)."""
 PIECEWISE_PROMPT_IDS = 16_384
@@ -69,13 +72,15 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-
 _SURROGATE_BYTES = re.compile(rb"\xed[\xa0-\xbf]")  # one encoded in UTF-8 (json.loads reads it: surrogatepass)
 
 
+_SERVER_SIDE = (TimeoutError, MemoryError, NotImplementedError, RuntimeError)
+"""Rendering failures that are the service's, not the client's text: vLLM's status stays."""
+
+
 def _may_hold_surrogates(raw: bytes | bytearray) -> bool:
     """Whether ``raw`` has a surrogate escape or encoded surrogate: a body without holds no lone
     surrogate. Two searches with a literal first byte each (a fast scan: an alternation of the two
     is not, about 100 ns a byte)."""
     return bool(_SURROGATE_ESCAPE.search(raw) or _SURROGATE_BYTES.search(raw))
-_SERVER_SIDE = (TimeoutError, MemoryError, NotImplementedError, RuntimeError)
-"""Rendering failures that are the service's, not the client's text: vLLM's status stays."""
 
 
 class Preparer:
@@ -416,7 +421,7 @@ def token_prompts_request(body: dict[str, Any]) -> Any:
             checked.append(msgspec.convert(p, type=list[_TokenId]))
         except msgspec.ValidationError:
             try:
-                checked.append(_token_prompt().validate_python(p))
+                checked.append(_TOKEN_PROMPT.validate_python(p))
             except ValidationError:  # the request fails: vLLM's model says how, on this prompt
                 CompletionRequest.model_validate({**body, "prompt": [q[:1] for q in checked] + [p] + [
                     q[:1] if isinstance(q, list) else q for q in prompt[i + 1:]]})
@@ -424,20 +429,6 @@ def token_prompts_request(body: dict[str, Any]) -> Any:
     req = CompletionRequest.model_validate({**body, "prompt": [q[:1] for q in checked]})
     req.prompt = checked
     return req
-
-
-def _token_prompt() -> Any:
-    """pydantic's adapter for one token-id prompt, vLLM's type (``CompletionRequest.prompt``'s
-    ``list[Annotated[int, Field(ge=0)]]``)."""
-    global _TOKEN_PROMPT
-    if _TOKEN_PROMPT is None:
-        from pydantic import Field, TypeAdapter
-
-        _TOKEN_PROMPT = TypeAdapter(list[Annotated[int, Field(ge=0)]])
-    return _TOKEN_PROMPT
-
-
-_TOKEN_PROMPT: Any = None
 
 
 def decode(raw: bytes | bytearray) -> dict[str, Any]:
