@@ -62,7 +62,8 @@ from infra import ray_env
 REPO = vllm_server.REPO
 APP, VLLM = "app", "vllm"
 KINDS = (("haproxy", "haproxy"), ("proxy", "ProxyActor"), ("ingress", "OpenAIIngress"),
-         ("engine_replica", "VLLMEngine"), ("engine_core", "VLLM::EngineCore"), ("worker", "VLLM::Worker"),
+         ("engine_replica", "VLLMEngine"), ("engine_replica", "VLLMInServe"), ("engine_core", "VLLM::EngineCore"),
+         ("worker", "VLLM::Worker"),
          ("api_server", "api_server"), ("serve_controller", "ServeController"))
 """Process kinds by a string of their command line, first match wins; the rest of a tree is ``ray``
 (the app: GCS, raylet, Serve controller, dashboard) or ``other``."""
@@ -182,10 +183,21 @@ async def block(url: str, model: str, n: int, concurrency: int, prompt_tokens: i
 
 # ---------------------------------------------------------------- the servers
 
-def app_config(base: Path, port: int, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+APP_KINDS: dict[str, tuple[str | None, str]] = {"prefix-serve": (None, "/ready"),
+                                                "serve-vllm": ("bench.serve_vllm:build", "/health")}
+"""What ``--app-kind`` runs on the app's side: Serve import path (``None``: the config's) and readiness path.
+``serve-vllm`` is vLLM's own server app in one Serve replica (``bench.serve_vllm``): the floor of any
+Serve-hosted path."""
+
+
+def app_config(base: Path, port: int, overrides: dict[str, Any] | None = None,
+               app_kind: str = "prefix-serve") -> dict[str, Any]:
     """``serve_config.yaml`` with one engine replica, on ``port``; ``overrides``: app args set on top
-    (top-level keys of ``args``, e.g. ``{"stream_transport": "ray"}``)."""
+    (top-level keys of ``args``, e.g. ``{"stream_transport": "ray"}``); ``app_kind``: a key of ``APP_KINDS``
+    (its import path, if any, replaces the config's; the args are the same)."""
     cfg = yaml.safe_load(base.read_text())
+    if APP_KINDS[app_kind][0]:
+        cfg["applications"][0]["import_path"] = APP_KINDS[app_kind][0]
     cfg["http_options"] = {**cfg.get("http_options", {}), "host": "127.0.0.1", "port": port}
     app = cfg["applications"][0]
     app["args"]["engine_replicas"]["num_replicas"] = 1
@@ -214,8 +226,11 @@ class Servers:
     """The app (``serve run``) and vLLM's server, started side by side; stopped on exit."""
 
     def __init__(self, config: Path, app_port: int, vllm_port: int, workdir: Path,
-                 app_env: dict[str, str] | None = None, app_args: dict[str, Any] | None = None):
-        self.cfg = app_config(config, app_port, app_args)
+                 app_env: dict[str, str] | None = None, app_args: dict[str, Any] | None = None,
+                 app_kind: str = "prefix-serve"):
+        self.cfg = app_config(config, app_port, app_args, app_kind)
+        self.ready_path = APP_KINDS[app_kind][1]
+        self.app_kind = app_kind
         self.args = self.cfg["applications"][0]["args"]
         self.model = self.args["served_model_name"]
         self.urls = {APP: f"http://127.0.0.1:{app_port}", VLLM: f"http://127.0.0.1:{vllm_port}"}
@@ -230,7 +245,7 @@ class Servers:
         cfg_path.write_text(json.dumps(self.cfg))
         for name in (APP, VLLM):
             self.logs[name] = open(self.workdir / f"{name}.log", "w")
-        log(f"starting vLLM's server on {self.urls[VLLM]} and the app (serve run, 1 engine replica) on "
+        log(f"starting vLLM's server on {self.urls[VLLM]} and {self.app_kind} (serve run, 1 engine replica) on "
             f"{self.urls[APP]}; logs in {self.workdir}")
         self.procs[VLLM] = subprocess.Popen(vllm_server.command(self.args, self.vllm_port), cwd=REPO,
                                             env=vllm_server.env(), stdout=self.logs[VLLM],
@@ -250,7 +265,8 @@ class Servers:
         try:
             vllm_server.wait_ready(self.procs[VLLM], self.urls[VLLM], self.model, self.logs[VLLM].name)
             log("vLLM's server is ready")
-            vllm_server.wait_http_ok(self.procs[APP], f"{self.urls[APP]}/ready", "serve run", self.logs[APP].name)
+            vllm_server.wait_http_ok(self.procs[APP], f"{self.urls[APP]}{self.ready_path}", "serve run",
+                                     self.logs[APP].name)
             log("the app is ready")
         except BaseException:
             self.__exit__()
@@ -318,7 +334,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="serving_overhead-"))
     result: dict[str, Any] = {"config": {k: v for k, v in vars(args).items()}, "started": time.strftime("%FT%T%z")}
     app_env = dict(kv.split("=", 1) for kv in args.app_env)
-    with Servers(Path(args.config), args.app_port, args.vllm_port, workdir, app_env, parse_sets(args.set)) as servers:
+    with Servers(Path(args.config), args.app_port, args.vllm_port, workdir, app_env, parse_sets(args.set),
+                 args.app_kind) as servers:
         model = servers.model
 
         def go(name: str, n: int, conc: int) -> tuple[list[Sample], float, dict[str, float]]:
@@ -492,6 +509,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra environment of `serve run` (and so of the Ray cluster it starts)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="app args over the config's, each value YAML (e.g. stream_transport=ray)")
+    ap.add_argument("--app-kind", choices=sorted(APP_KINDS), default="prefix-serve",
+                    help="what runs beside vLLM's server: the app, or vLLM's own app in one Serve replica "
+                         "(bench.serve_vllm: what Serve itself costs, the floor of a Serve-hosted path)")
     ap.add_argument("--settle-s", type=float, default=1.5,
                     help="idle seconds before each block and each unloaded request (vLLM's worker spins 1 s)")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="one request's limit")
