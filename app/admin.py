@@ -206,16 +206,36 @@ class AdminRoutes:
         200 ``{"status": "ready", "routers": [<each router's readiness detail>], ...}``
         once the engines can serve and every request router of this process is
         subscribed (every engine replica it knows loaded, warmed up, its KV-event
-        snapshot applied); otherwise 503 with an OpenAI error body
-        (``ServiceUnavailableError``) whose message says what is missing. Answers
-        within about ``READY_ENGINE_TIMEOUT_S``; needs no API key.
+        snapshot applied) and the configured warm-up prompts are prefilled
+        (``app.warmup``; ``"warmup": {"state", "done", "total", "failed", "prefill_tokens"}``);
+        otherwise 503 with an OpenAI error body (``ServiceUnavailableError``) whose message
+        says what is missing (``warming up: 2 of 4 prompts done``, with ``"warmup"`` beside
+        ``"error"``). Answers within about ``READY_ENGINE_TIMEOUT_S``; needs no API key.
         """
         ready, detail = await self._readiness()
         if ready:
             return {"status": "ready", **detail}
-        return JSONResponse(error_body(detail["reason"], 503, "ServiceUnavailableError"), status_code=503)
+        response = error_body(detail["reason"], 503, "ServiceUnavailableError")
+        if "warmup" in detail:
+            response["warmup"] = detail["warmup"]
+        return JSONResponse(response, status_code=503)
 
     async def _readiness(self) -> tuple[bool, dict[str, Any]]:
+        """``(ready, detail)``: the router's readiness (``_router_readiness``), then the warm-up's
+        (``app.warmup``, when this ingress has one): not ready while it runs, ``detail["warmup"]``
+        saying how far it got."""
+        ready, detail = await self._router_readiness()
+        warmup = getattr(self, "warmup", None)
+        if not ready or warmup is None or not warmup.progress.total:
+            return ready, detail
+        warmup.start()  # normally started with the replica; here if that found no running loop
+        progress = warmup.progress.detail()
+        if not warmup.finished:
+            return False, {"reason": f"warming up: {progress['done']} of {progress['total']} prompts done",
+                           "warmup": progress}
+        return True, {**detail, "warmup": progress}
+
+    async def _router_readiness(self) -> tuple[bool, dict[str, Any]]:
         """``(ready, detail)``; ``detail["reason"]`` says what is missing when not ready.
 
         Serve creates the engine handle's request router with the handle's first

@@ -18,6 +18,8 @@ swaps router classes that way; a serving config should not.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import importlib.metadata
 from typing import Any
 
@@ -98,12 +100,39 @@ def actor_options(replicas: ReplicaConfig, num_gpus: float | None = None) -> dic
     return options
 
 
+def check_warmup(cfg: AppArgs) -> AppArgs:
+    """``cfg`` with its warm-up file's prompts inline (the replicas read no file), each prompt rendered
+    by vLLM's renderer as the ingress will (``app.warmup.check``); raises ``ValueError`` naming a file
+    line that is no prompt, a name given twice, or a prompt that fails to render or exceeds the context."""
+    if not cfg.warmup.prompts and cfg.warmup.file is None:
+        return cfg
+    try:
+        warmup = cfg.warmup.inlined()
+    except OSError as e:
+        raise ValueError(f"warmup.file {cfg.warmup.file}: {e}") from None
+    names = [name for name, _ in warmup.named()]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"warmup prompt names must be unique: {', '.join(repr(n) for n in twice)} given twice")
+    cfg = cfg.model_copy(update={"warmup": warmup})
+    from app import warmup as warm
+    from app.frontend import Renderer
+    from app.prepare import Preparer
+
+    preparer = Preparer(cfg, Renderer(cfg))
+    # Serve's build task has no event loop; a caller that runs one (a test) gets the check on a thread.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, warm.check(preparer, cfg)).result()
+    return cfg
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Return the bound application; raises ``ValueError`` naming every bad arg
     (``router.load_factor: ...``, ``model: path '...' does not exist ...``) and any key
     the installed vLLM build cannot run (``check_build``)."""
     cfg = parse_app_args(args)
     check_build(cfg, installed_vllm())
+    cfg = check_warmup(cfg)
     # Both deployments drain as long as the longest request the ingress lets run
     # (lifecycle.request_timeout_s, enforced there) plus a margin: a redeploy cuts no stream.
     drain = cfg.lifecycle.drain_timeout_s

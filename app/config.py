@@ -409,6 +409,77 @@ class ServingConfig(_Strict):
         return self
 
 
+class WarmupPrompt(_Strict):
+    """One prefix to prefill before the app serves: exactly one of ``messages``, ``prompt`` or
+    ``prompt_token_ids``.
+
+    ``messages`` are rendered by the served model's chat template with no generation prompt
+    (``add_generation_prompt: false``): a system prompt warmed this way is the exact prefix of
+    every conversation that starts with it. ``prompt`` is a completion's text, tokenized as a
+    completion's prompt; ``prompt_token_ids`` are sent as they are.
+    """
+
+    name: str | None = Field(None, min_length=1, description="named in errors, logs and readiness; default: "
+                                                              "its place (warmup.prompts[i] or file:line)")
+    messages: list[dict[str, Any]] | None = Field(None, min_length=1, description="chat messages (OpenAI shape)")
+    prompt: str | None = Field(None, min_length=1, description="a completion prompt (text)")
+    prompt_token_ids: list[int] | None = Field(None, min_length=1, description="token ids, as the engine sees them")
+    cache_salt: str | None = Field(None, min_length=1, description="the tenant salt the requests it serves carry")
+    copies: int = Field(1, ge=1, description="engine replicas that should hold it (at most the replicas running)")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> WarmupPrompt:
+        given = [k for k in ("messages", "prompt", "prompt_token_ids") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of messages, prompt or prompt_token_ids (got {given or 'none'})")
+        return self
+
+
+class WarmupConfig(_Strict):
+    """Prefixes prefilled on the engine replicas before ``/ready`` answers 200 (``app.warmup``).
+
+    Each prompt is sent with ``max_tokens: 1`` through the request router, which places it
+    by the cost it routes with; a prompt with ``copies: k`` goes to k different replicas (the
+    cheapest that do not hold it yet). ``file`` is a JSONL file, one ``WarmupPrompt`` object a
+    line, read when the app is built (``serve run``): its prompts follow the inline ones.
+    """
+
+    prompts: list[WarmupPrompt] = Field(default_factory=list)
+    file: str | None = Field(None, min_length=1, description="JSONL of WarmupPrompt objects (path as `model`)")
+    concurrency: int = Field(4, ge=1, description="warm-up requests in flight at once")
+
+    @field_validator("file")
+    @classmethod
+    def _file_exists(cls, v: str | None) -> str | None:
+        return v if v is None else check_local_path(v)
+
+    def named(self) -> list[tuple[str, WarmupPrompt]]:
+        """Every prompt with its name (its own, else ``warmup.prompts[i]`` or ``<file>:<line>``), inline
+        ones first; raises ``ValueError`` naming the file line that is not a valid prompt."""
+        out = [(p.name or f"warmup.prompts[{i}]", p) for i, p in enumerate(self.prompts)]
+        if self.file is None:
+            return out
+        path = Path(resolve_path(self.file))
+        for n, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                prompt = WarmupPrompt.model_validate_json(line)
+            except ValidationError as e:
+                problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or '<line>'}: {err['msg']}"
+                                     for err in e.errors())
+                raise ValueError(f"warmup.file {self.file}:{n}: {problems}") from None
+            out.append((prompt.name or f"{self.file}:{n}", prompt))
+        return out
+
+    def inlined(self) -> WarmupConfig:
+        """This config with the file's prompts inline, each named (no file is read again)."""
+        if self.file is None:
+            return self
+        return self.model_copy(update={"file": None, "prompts": [p.model_copy(update={"name": name})
+                                                                  for name, p in self.named()]})
+
+
 class AppArgs(_Strict):
     """Arguments of the prefix-serve application (``app.builder:build_app``)."""
 
@@ -432,6 +503,8 @@ class AppArgs(_Strict):
     metrics_public: bool = Field(False, description="serve /metrics, /metrics/engines and /metrics/ingresses "
                                                     "without the API key")
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get HTTP 413")
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig,
+                                 description="prefixes prefilled before /ready answers 200 (app.warmup)")
     stream_transport: Literal["zmq", "ray"] = Field(
         "zmq", description="how a streamed answer's items go from the engine replica to the ingress: 'zmq', "
                            "a socket from each engine replica to each ingress (app.stream_channel), or 'ray', "

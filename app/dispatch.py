@@ -83,11 +83,15 @@ class Dispatcher:
         self.inbox = inbox  # streamed answers come here, not through the call (app.stream_channel)
         self._pumps: set[asyncio.Task] = set()  # calls whose stream ended, left to return by themselves
 
-    async def answer(self, kind: str, ereq: EngineRequest, span: Any, deadline: float) -> AsyncIterator[Any]:
-        """The answer's items (see module doc), with TTFT/ITL/E2E and usage recorded.
+    async def answer(self, kind: str, ereq: EngineRequest, span: Any, deadline: float,
+                     summaries: list[EngineSummary] | None = None) -> AsyncIterator[Any]:
+        """The answer's items (see module doc), with TTFT/ITL/E2E and usage recorded (a warm request's,
+        ``ereq.warmup``, on its span only: ``app.warmup`` counts them apart).
 
         The last item's metrics are recorded before it is passed on: a client that
-        closes the connection as soon as it has ``[DONE]`` still counts."""
+        closes the connection as soon as it has ``[DONE]`` still counts. ``summaries``, if
+        given, gets the engine's ``EngineSummary`` (which replica answered, its token counts)."""
+        observe = ereq.warmup is None
         started = time.perf_counter()
         previous: float | None = None
         streaming = bool(getattr(ereq.body, "stream", False))  # a batch chat has no stream field
@@ -98,7 +102,7 @@ class Dispatcher:
                 if isinstance(item, FirstOutput):
                     first_seen = True
                     tell_routers_first_token(ereq.route_id)
-                    if streaming:
+                    if streaming and observe:
                         metrics.TTFT_SECONDS.observe(now - started)
                         span.set_attribute("prefix_serve.ttft_s", now - started)
                     item = item.data
@@ -106,19 +110,21 @@ class Dispatcher:
                     if not first_seen:  # a unary answer (or a stream that ended early): prefill is long done
                         tell_routers_first_token(ereq.route_id)
                     ended = True
-                    record_summary(item, now - started, streaming, span, ereq.request_id)
+                    record_summary(item, now - started, streaming, span, ereq.request_id, observe)
+                    if summaries is not None:
+                        summaries.append(item)
                     item = item.data if isinstance(item.data, str) or item.data is None else from_vllm(item.data)
                 elif isinstance(item, Accepted):
                     yield item
                     continue
                 if item is None:
                     continue
-                if streaming and previous is not None:
+                if streaming and previous is not None and observe:
                     metrics.ITL_SECONDS.observe(now - previous)
                 previous = now
                 yield item
         finally:
-            if not ended:  # no summary came (an error, a client gone): the time still counts
+            if not ended and observe:  # no summary came (an error, a client gone): the time still counts
                 metrics.E2E_SECONDS.observe(time.perf_counter() - started)
 
     async def _attempts(self, kind: str, ereq: EngineRequest, deadline: float) -> AsyncIterator[Any]:
@@ -263,18 +269,22 @@ class _Call:
             self.gen.cancel()  # left early (client gone, error, deadline): abort it in the engine
 
 
-def record_summary(summary: EngineSummary, e2e: float, streaming: bool, span: Any, request_id: str) -> None:
-    """E2E, usage and (unary) TTFT of a finished answer, on the metrics and the span."""
-    metrics.E2E_SECONDS.observe(e2e)
+def record_summary(summary: EngineSummary, e2e: float, streaming: bool, span: Any, request_id: str,
+                   observe: bool = True) -> None:
+    """E2E, usage and (unary) TTFT of a finished answer, on the span and (``observe``) the metrics."""
+    if observe:
+        metrics.E2E_SECONDS.observe(e2e)
     if not streaming and summary.ttft_s >= 0:
         # The ingress sees a unary answer only at its end: its TTFT is this
         # side's time less the engine's time after the first token.
         ttft = max(0.0, e2e - (summary.e2e_s - summary.ttft_s))
-        metrics.TTFT_SECONDS.observe(ttft)
+        if observe:
+            metrics.TTFT_SECONDS.observe(ttft)
         span.set_attribute("prefix_serve.ttft_s", ttft)
-    metrics.INGRESS_PROMPT_TOKENS.inc(summary.prompt_tokens)
-    metrics.INGRESS_CACHED_TOKENS.inc(summary.cached_tokens)
-    metrics.INGRESS_OUTPUT_TOKENS.inc(summary.output_tokens)
+    if observe:
+        metrics.INGRESS_PROMPT_TOKENS.inc(summary.prompt_tokens)
+        metrics.INGRESS_CACHED_TOKENS.inc(summary.cached_tokens)
+        metrics.INGRESS_OUTPUT_TOKENS.inc(summary.output_tokens)
     span.set_attributes({
         "gen_ai.response.id": request_id,
         "gen_ai.usage.input_tokens": summary.prompt_tokens,

@@ -58,6 +58,7 @@ from app.ingress_targets import Announcer
 from app.prepare import CANCEL, CHAT, CHAT_BATCH, COMPLETION, MESSAGES, RESPONSES, RETRIEVE
 from app.serving import DIALECTS, OpenAIServing
 from app.stream_channel import StreamInbox
+from app.warmup import Warmup
 from infra import ray_env
 
 logger = logging.getLogger("prefix_serve.ingress")
@@ -99,12 +100,24 @@ class OpenAIIngress(AdminRoutes):
         for route in ROUTES.values():
             for status in results.STATUSES:
                 metrics.REQUESTS.labels(route=route, status=status)
+        # The configured prefixes, prefilled once the router is ready; /ready waits for them (app.warmup).
+        self.warmup = Warmup(self.serving, self.args, self._router_ready)
+        try:
+            self.warmup.start()
+        except RuntimeError:  # no running loop in this constructor: the first /ready starts it
+            pass
+
+    async def _router_ready(self) -> bool:
+        return (await self._router_readiness())[0]
 
     async def __del__(self):
         """Serve's shutdown hook, after the drain: leave the metrics target book, stop
         the worker loop and the stream inbox, then export the spans not yet sent (the batch processor
         would send them up to 500 ms later, after the process is gone). Blocking
         steps run in a thread; together at most about 10 s."""
+        warmup = getattr(self, "warmup", None)
+        if warmup is not None:
+            warmup.stop()
         announcer = getattr(self, "announcer", None)
         if announcer is not None:
             await announcer.stop()

@@ -79,3 +79,7 @@ INGRESS_CACHED_TOKENS = Counter(
     "prefix_serve_cached_tokens", "Prompt tokens the engines served from their prefix cache"
 )
 INGRESS_OUTPUT_TOKENS = Counter("prefix_serve_output_tokens", "Output tokens of completed requests")
+WARMUP_REQUESTS = Counter("prefix_serve_warmup_requests", "Warm requests (app.warmup) by why they were sent and "
+                          "how they ended", ["reason", "outcome"])
+WARMUP_PREFILL_TOKENS = Counter("prefix_serve_warmup_prefill_tokens", "Prompt tokens warm requests prefilled "
+                                "(prompt less cached), apart from client requests' prefill", ["reason"])

@@ -302,6 +302,8 @@ class PrefixAffinityRouter(RequestRouter):
         route_id = pending.metadata.internal_request_id
         known = route_id in self.state.requests and self.state.requests[route_id].request is not None
         views = self._candidate_set(candidates).with_adapter(request.lora_name, stats_keys.STAT_LORA_ADAPTERS)
+        if request.avoid_replicas:  # a warm-up's next copy: elsewhere than its holders, while another runs
+            views = views.without(request.avoid_replicas)
         stale_before = self.state.stale_fallbacks
         decision = self.state.choose(route_id, None if known else self._route_request(request, block_size),
                                      views, time.time(), start_ns)
@@ -365,7 +367,10 @@ class PrefixAffinityRouter(RequestRouter):
             metrics.PREDICTED_CACHED.labels(tier=TIER_LABELS[Tier.GPU]).inc(
                 routed.predicted_cached_tokens - routed.predicted_host_tokens)
             metrics.PREDICTED_CACHED.labels(tier=TIER_LABELS[Tier.HOST]).inc(routed.predicted_host_tokens)
-        d = self.state.record_decision(route_id, routed, now, {"router_replica_id": self.caller_replica_id})
+        extra = {"router_replica_id": self.caller_replica_id}
+        if request.warmup is not None:
+            extra["warmup"] = request.warmup
+        d = self.state.record_decision(route_id, routed, now, extra)
         tracing.route_span(request.trace_headers, d, record.started_ns or None)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:

@@ -12,7 +12,7 @@ the stats are read into numpy columns once, not on every request, and
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +116,11 @@ class CandidateSet(Sequence[Candidate]):
             sub = self if len(kept) == len(self.candidates) else CandidateSet(kept)
             self._adapters[(lora_name, stats_key)] = sub
         return sub
+
+    def without(self, uids: Collection[str]) -> CandidateSet:
+        """The candidates whose id is not in ``uids``; this set when that removes none or all of them."""
+        kept = [c for c in self.candidates if c.replica_id not in uids]
+        return self if len(kept) in (0, len(self.candidates)) else CandidateSet(kept)
 
     def __repr__(self) -> str:
         return f"<CandidateSet of {len(self)}: {', '.join(self.uids[:4])}{', ...' if len(self) > 4 else ''}>"
