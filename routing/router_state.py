@@ -499,6 +499,12 @@ class RouterState:
 
     def _choose_by_views(self, req: RouteRequest, candidates: Sequence[Candidate], now: float) -> Decision:
         """One ``ReplicaView`` per candidate, then the policy."""
+        return choose_replica(RoutingRequest(req.prompt_tokens, req.block_size), self.views(req, candidates, now),
+                              self.policy, self.rng)
+
+    def views(self, req: RouteRequest, candidates: Sequence[Candidate], now: float) -> list[ReplicaView]:
+        """The policy's view of each candidate for ``req`` (what ``choose`` scores), in candidate order:
+        for a caller that prices something else under the policy's prices (``routing.replication``)."""
         uids = tuple(c.replica_id for c in candidates)
         if req.bypass_cache:
             matches: Mapping[str, tuple[int, int]] = dict.fromkeys(uids, (0, 0))
@@ -512,7 +518,7 @@ class RouterState:
             if host_end and self._stalled(entry, now):
                 matched = host_end = 0
             views.append(self._view(c, matched, host_end, entry))
-        return choose_replica(RoutingRequest(req.prompt_tokens, req.block_size), views, self.policy, self.rng)
+        return views
 
     def _stalled(self, entry: ReplicaEntry | None, now: float) -> bool:
         """The replica owes events for too long: its blocks do not count (counted in ``stale_fallbacks``).

@@ -22,11 +22,13 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from app.config import RouterConfig
 from bench.sim.bounds import cache_hit_rates
 from bench.sim.cluster import ClusterConfig, simulate_policy
+from bench.sim.fleet import FleetConfig, auto_warmup, parse_scale_schedule
 from bench.sim.generators import GENERATORS, generate
 from bench.sim.latency import GIB, PRESETS, preset
 from bench.sim.policies import POLICIES, make_policy, policy_names
@@ -82,7 +84,68 @@ def build_parser() -> argparse.ArgumentParser:
                          "workload and cluster options (e.g. after a router change); written to --json, "
                          "default REPORT itself")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    fl = ap.add_argument_group("fleet (issue 35; all off by default, see bench/sim/fleet.py)")
+    fl.add_argument("--churn-every", type=float, default=None, metavar="S",
+                    help="replace one replica (the oldest) every S simulated seconds")
+    fl.add_argument("--scale-schedule", default=None, metavar="SPEC",
+                    help="replicas added / removed at given times, e.g. '600:+2,1500:-1'")
+    fl.add_argument("--rewarm", action=argparse.BooleanOptionalAction, default=False,
+                    help="warm a joining replica before it serves (warm-up list + hottest prefixes), and a "
+                         "leaving replica's hot prefixes on the survivors (default: off)")
+    fl.add_argument("--warmup", default=None, metavar="auto:K",
+                    help="warm-up list: auto:K = the workload's K most frequent first prompt segments "
+                         "(its system prompts), prefilled at the start and on every joining replica with --rewarm")
+    fl.add_argument("--replicate", action="store_true",
+                    help="hot-prefix replication under the policy's prices (prefix_affinity only)")
+    fl.add_argument("--warm-share", type=float, default=0.25,
+                    help="share of a step's token budget warm requests may take beside real ones (0.25)")
+    fl.add_argument("--rewarm-tokens", type=int, default=None,
+                    help="tokens one join or leave warms at most (default: half a replica's GPU cache)")
+    fl.add_argument("--join-timeout-s", type=float, default=30.0,
+                    help="a joining replica serves after this long even if not warm (30)")
+    fl.add_argument("--max-copies", type=int, default=2, help="replicas that may hold one hot prefix (2)")
     return ap
+
+
+def _fleet(args: argparse.Namespace, wl: Workload, block_size: int) -> FleetConfig | None:
+    """The fleet options of ``args`` (None when none is set: the cluster runs as before).
+
+    Raises:
+        SystemExit: a malformed ``--scale-schedule`` or ``--warmup``.
+    """
+    churn = getattr(args, "churn_every", None)
+    schedule = getattr(args, "scale_schedule", None)
+    warmup = getattr(args, "warmup", None)
+    rewarm = getattr(args, "rewarm", False)
+    replicate = getattr(args, "replicate", False)
+    if not (churn or schedule or warmup or rewarm or replicate):
+        return None
+    try:
+        steps = parse_scale_schedule(schedule) if schedule else ()
+    except ValueError as exc:
+        raise SystemExit(f"--scale-schedule: {exc}") from None
+    listed: tuple[tuple[int, int], ...] = ()
+    if warmup:
+        kind, _, count = warmup.partition(":")
+        if kind != "auto" or not count.isdigit():
+            raise SystemExit(f"--warmup {warmup!r}: expected auto:K")
+        listed = auto_warmup(wl, int(count), block_size)
+    try:
+        return FleetConfig(churn_every_s=churn, scale_schedule=steps, rewarm=rewarm, warmup=listed,
+                           replicate=replicate, warm_share=args.warm_share, rewarm_tokens=args.rewarm_tokens,
+                           join_timeout_s=args.join_timeout_s, max_copies=args.max_copies)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def fleet_info(fleet: FleetConfig | None) -> dict[str, Any]:
+    """The report's ``config.fleet`` (empty without fleet options: reports stay as they were)."""
+    if fleet is None:
+        return {}
+    return {"fleet": {"churn_every_s": fleet.churn_every_s, "scale_schedule": [list(x) for x in fleet.scale_schedule],
+                      "rewarm": fleet.rewarm, "warmup_prompts": len(fleet.warmup), "replicate": fleet.replicate,
+                      "warm_share": fleet.warm_share, "rewarm_tokens": fleet.rewarm_tokens,
+                      "join_timeout_s": fleet.join_timeout_s, "max_copies": fleet.max_copies}}
 
 
 def _load(args: argparse.Namespace, max_model_len: int) -> Workload:
@@ -227,9 +290,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(str(exc.args[0])) from None
     cfg, info = _cluster(args)
     wl = _load(args, cfg.engine.max_model_len)
-    earlier = _earlier(args.update, info, wl) if getattr(args, "update", None) else None
     show = not args.no_progress
     wl.prepare(cfg.engine.block_size, progress=show)
+    fleet = _fleet(args, wl, cfg.engine.block_size)
+    if fleet is not None:
+        cfg = replace(cfg, fleet=fleet)
+        info.update(fleet_info(fleet))
+    earlier = _earlier(args.update, info, wl) if getattr(args, "update", None) else None
     total = len(wl) * len(names)
     results: dict[str, dict[str, Any]] = {}
     bar = None

@@ -14,7 +14,10 @@ Events, in time order (ties in insertion order, so a run is deterministic):
 * **event delivery**: a replica's event batch reaches the policy's block index
   ``event_lag_s`` after it was published (only for policies that read events);
 * **load done**: an idle replica whose only work is a host-tier load in
-  flight starts its next step when the load is done.
+  flight starts its next step when the load is done;
+* **fleet** (only with ``ClusterConfig.fleet``, :mod:`bench.sim.fleet`): a replica
+  replaced, replicas added or removed, a replication check, a joining replica's
+  warm-up deadline.  Without it no such event exists and a run is what it was.
 
 Routing itself takes no simulated time.  Every request's TTFT is its first
 token's time minus its arrival at the router.
@@ -28,10 +31,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from bench.sim.event_path import EventPath
+from bench.sim.fleet import Fleet, FleetConfig
 from bench.sim.latency import LatencyModel
 from bench.sim.policies import Policy, RouterContext, policy_seed
 from bench.sim.replica import EngineConfig, Replica, ReqState
@@ -42,6 +47,7 @@ __all__ = ["ClusterConfig", "PolicyRun", "simulate_policy"]
 _STEP_END = 0
 _DELIVER = 1
 _WAKE = 2
+_FLEET = 3
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class ClusterConfig:
         event_lag_s: publish-to-index delay of KV events.
         routing_stats_period_s: refresh of the engines' routing stats.
         seed: run seed (each policy derives its own).
+        fleet: warm-up, churn, scaling, replication (:mod:`bench.sim.fleet`); None: none.
     """
 
     replicas: int
@@ -65,6 +72,7 @@ class ClusterConfig:
     event_lag_s: float = 0.05
     routing_stats_period_s: float = 1.0
     seed: int = 0
+    fleet: FleetConfig | None = None
 
 
 @dataclass
@@ -109,8 +117,8 @@ def simulate_policy(
         workload.prepare(bs)
     n = len(workload.requests)
     on_done = on_done or (lambda k: None)
-    # (time, seq, kind, replica, the frames of a _DELIVER)
-    heap: list[tuple[float, int, int, int, tuple[bytes, bytes, bytes] | None]] = []
+    # (time, seq, kind, replica, the frames of a _DELIVER or a _FLEET event's code)
+    heap: list[tuple[float, int, int, int, Any]] = []
     seq = 0
     uses_events = policy.uses_events
 
@@ -122,11 +130,22 @@ def simulate_policy(
     done = np.zeros(n, dtype=bool)
 
     def first_token(st: ReqState, now: float) -> None:
+        if fleet is not None:
+            if st.warm:
+                fleet.warm_first_token(st, now)
+                return
+            fleet.record_hit(st, now)
         rid = st.req.rid
         ttft[rid] = now - st.req.arrival_s
         policy.first_token(st.req, st.replica, now)
 
     def finished(st: ReqState, now: float) -> None:
+        if st.warm:
+            assert fleet is not None
+            fleet.warm_finished(st, now)
+            if backlog:
+                dispatch_backlog(now)
+            return
         rid = st.req.rid
         finish[rid] = now
         cached[rid] = st.cached_tokens
@@ -156,6 +175,22 @@ def simulate_policy(
     backlog: deque[SimRequest] = deque()
     max_ongoing = cfg.max_ongoing_requests
     rejected = 0
+    fleet: Fleet | None = None
+
+    def push_fleet(at: float, code: int, arg: int) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap, (at, seq, _FLEET, arg, code))
+
+    def join(now: float) -> int:
+        i = len(replicas)
+        replicas.append(Replica(i, cfg.engine, cfg.latency, enable_events=uses_events, on_first_token=first_token,
+                                on_finish=finished))
+        busy.append(False)
+        wake_at.append(None)
+        ctx.ids.append(replicas[i].id)
+        policy.replica_added(i, now)
+        return i
 
     def kick(i: int, now: float) -> None:
         nonlocal seq
@@ -174,7 +209,10 @@ def simulate_policy(
         heapq.heappush(heap, (now + dur, seq, _STEP_END, i, None))
 
     def route(req: SimRequest, now: float) -> bool:
-        cands = [i for i, r in enumerate(replicas) if r.num_requests < max_ongoing]
+        if fleet is None:
+            cands = [i for i, r in enumerate(replicas) if r.num_requests < max_ongoing]
+        else:
+            cands = fleet.candidates(max_ongoing)
         if not cands:
             return False
         r = policy.choose(req, cands, now)
@@ -193,6 +231,9 @@ def simulate_policy(
     reqs = workload.requests
     ai = 0
     inf = float("inf")
+    if cfg.fleet is not None:
+        fleet = Fleet(cfg.fleet, policy, replicas, join, push_fleet, kick, workload, uses_events, cfg.seed)
+        fleet.start(reqs[0].arrival_s if reqs else 0.0, reqs[-1].arrival_s if reqs else 0.0)
     while True:
         next_arrival = reqs[ai].arrival_s if ai < n else inf
         if heap and heap[0][0] <= next_arrival:
@@ -208,9 +249,16 @@ def simulate_policy(
                         seq += 1
                         heapq.heappush(heap, (at, seq, _DELIVER, i, frames))
                 kick(i, now)
+                if fleet is not None and i in fleet.leaving:
+                    fleet.after_step(i, now)
             elif kind == _WAKE:
                 wake_at[i] = None
                 kick(i, now)
+            elif kind == _FLEET:
+                assert fleet is not None
+                fleet.on_event(payload, i, now)
+            elif fleet is not None and i in fleet.gone:
+                continue  # events of a replica that left: the router no longer follows it
             else:
                 assert path is not None and payload is not None  # only an event path queues a _DELIVER
                 path.deliver(replicas[i].id, payload, now)
@@ -255,6 +303,7 @@ def simulate_policy(
             **policy.summary(),
             **({"event_batches": path.batches, "events": path.events, "event_bytes": path.payload_bytes}
                if path else {}),
+            **({"fleet": fleet.summary(replicas)} if fleet is not None else {}),
             "steps": int(sum(r.steps for r in replicas)),
             "evicted_blocks": int(sum(r.pool.evictions for r in replicas)),
             **({"host_stored_blocks": int(sum(r.host.stores for r in replicas if r.host)),

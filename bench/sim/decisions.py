@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
-from bench.sim.cli import _cluster, _load, build_parser
+from bench.sim.cli import _cluster, _fleet, _load, build_parser
 from bench.sim.cluster import simulate_policy
 from bench.sim.policies import make_policy
 
@@ -35,6 +36,9 @@ def save(out: str, argv: list[str], policy: str = "prefix_affinity") -> dict:
     cfg, _info = _cluster(args)
     wl = _load(args, cfg.engine.max_model_len)
     wl.prepare(cfg.engine.block_size)
+    fleet = _fleet(args, wl, cfg.engine.block_size)
+    if fleet is not None:
+        cfg = replace(cfg, fleet=fleet)
     t0 = time.perf_counter()
     run = simulate_policy(wl, make_policy(policy), cfg)
     np.savez(out, replica=run.replica, cached=run.cached_tokens, ttft=run.ttft_s, finish=run.finish_s)

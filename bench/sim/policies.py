@@ -123,6 +123,11 @@ class StatsScraper:
                          host_blocks_per_chunk=1)
         return stats
 
+    def add(self) -> None:
+        """A replica joined (the last of ``replicas``): its stats from now."""
+        self.snap.append(self._read(self.replicas[-1]))
+        self.taken_at.append(0.0)
+
     def get(self, i: int, now: float) -> dict[str, Any]:
         if now - self.taken_at[i] >= self.period_s:
             self.snap[i] = self._read(self.replicas[i])
@@ -179,6 +184,30 @@ class Policy:
 
     def completed(self, req: SimRequest, r: int, now: float) -> None:
         pass
+
+    def replica_added(self, r: int, now: float) -> None:
+        """Replica ``r`` joined the cluster (``bench.sim.fleet``): ``ctx.replicas`` and ``ctx.ids``
+        already hold it; it is a candidate from its first ``choose`` on."""
+
+    def replica_removed(self, r: int, now: float) -> None:
+        """Replica ``r`` left the cluster: it is never a candidate again and runs nothing."""
+
+    hot_prefixes: Any = None
+    """A ``routing.hot_prefixes.HotPrefixes`` the fleet set (re-warm, replication): a policy that
+    sets ``records_hits`` feeds it from its own records; the others' hits come from the engines."""
+    records_hits: ClassVar[bool] = False
+
+    def held_blocks(self, keys: Sequence[int], replicas: list[int], now: float) -> dict[int, int]:
+        """Leading blocks of ``keys`` each of ``replicas`` holds on either tier, as the fleet sees
+        them: the engines' own caches (a router with an index answers from it instead)."""
+        out = {}
+        for r in replicas:
+            rep = self.ctx.replicas[r]
+            n = len(rep.pool.longest_hit(keys, len(keys)))
+            if rep.host is not None and n < len(keys):
+                n += rep.host.run(keys, n, len(keys))
+            out[r] = n
+        return out
 
     @property
     def index(self) -> BlockIndex | None:
@@ -237,8 +266,14 @@ class ConsistentHashPolicy(Policy):
 
     def setup(self, ctx):
         super().setup(ctx)
+        self._ring()
+
+    def replica_added(self, r, now):
+        self._ring()
+
+    def _ring(self):
         ring = []
-        for i, rid in enumerate(ctx.ids):
+        for i, rid in enumerate(self.ctx.ids):
             for v in range(self.VNODES):
                 ring.append((xxhash.xxh3_64_intdigest(f"{rid}#{v}".encode()), i))
         ring.sort()
@@ -310,6 +345,10 @@ class RayPrefixPolicy(Policy):
         if text is None:
             text = self.text(req)
         self.tree.insert(text, self.ctx.ids[r], now)
+
+    def replica_added(self, r, now):
+        self.tree.add_tenants([self.ctx.ids[r]], now)
+        self.tenant_index[self.ctx.ids[r]] = r
 
     def summary(self):
         return {"prefix_routed": self.prefix_routed, "tree_chars": dict(self.tree.tenant_to_char_count)}
@@ -451,6 +490,11 @@ class DynamoPolicy(_IndexedPolicy):
     def _make_index(self, ctx):
         return DynamoRadixIndex(ctx.ids)
 
+    def replica_added(self, r, now):
+        self._index.worker[self.ctx.ids[r]] = r
+        self.prefill_tokens.append(0)
+        self.active_blocks.append(0)
+
     def summary(self):
         return {"rejected_events": self._index.rejected_events}
 
@@ -467,6 +511,9 @@ class LlmDPolicy(_IndexedPolicy):
     def setup(self, ctx):
         super().setup(ctx)
         self.scraper = StatsScraper(ctx.replicas, self.metrics_period_s)
+
+    def replica_added(self, r, now):
+        self.scraper.add()
 
     @staticmethod
     def _minmax(values: dict[int, float], candidates: list[int], higher_is_better: bool) -> dict[int, float]:
@@ -517,6 +564,7 @@ class PrefixAffinityPolicy(Policy):
 
     name = "prefix_affinity"
     uses_events = True
+    records_hits = True
 
     def __init__(self, router_config: RouterConfig | None = None, release_prefill_at_first_token: bool = True) -> None:
         self.router_config = router_config or RouterConfig()
@@ -558,7 +606,35 @@ class PrefixAffinityPolicy(Policy):
 
     def routed(self, req, r, now):
         routed = self.router.routed(str(req.rid), self.ctx.ids[r], now)
+        if req.rid < 0:  # a warm request of bench.sim.fleet: its own label, and no hit of the records
+            reason = f"warmup_{routed.reason}"
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+            return
         self.reasons[routed.reason] = self.reasons.get(routed.reason, 0) + 1
+        if self.hot_prefixes is not None:
+            bs = self.ctx.block_size
+            self.hot_prefixes.record(req.keys, routed.predicted_cached_tokens // bs, bs, now, req.rid)
+
+    def replica_added(self, r, now):
+        self.router.follow_in_order(self.ctx.ids[r])
+        self.scraper.add()
+        self._index_of[self.ctx.ids[r]] = r
+
+    def replica_removed(self, r, now):
+        self.router.unfollow(self.ctx.ids[r])
+
+    def held_blocks(self, keys, replicas, now):
+        """From the router's index (either tier; predicted blocks count)."""
+        ids = tuple(self.ctx.ids[r] for r in replicas)
+        held = self.router.index.match_tiers(keys, ids, now)
+        return {r: max(held[uid]) for r, uid in zip(replicas, ids, strict=True)}
+
+    def replication_views(self, keys, replicas, now):
+        """The policy's views of ``replicas`` for a request of the prefix ``keys`` (``routing.replication``)."""
+        bs = self.ctx.block_size
+        cands = [Candidate(self.ctx.ids[r], self.scraper.get(r, now), self.ctx.max_ongoing_requests)
+                 for r in replicas]
+        return self.router.views(RouteRequest(keys, len(keys) * bs + 1, bs), cands, now)
 
     def first_token(self, req, r, now):
         self.router.first_token(str(req.rid), now)

@@ -103,10 +103,12 @@ class ReqState:
         "req", "keys", "tokens", "P", "N", "T", "c", "blocks", "n_cached", "outputs", "order", "gen",
         "base_c", "base_step", "chunk", "cached_tokens", "admitted", "preemptions", "arrival_s",
         "first_token_s", "last_token_s", "finish_s", "replica", "user", "host_cached_tokens", "ready_at", "loading",
+        "warm",
     )
 
-    def __init__(self, req: SimRequest, arrival_s: float, tokens=None, user=None) -> None:
+    def __init__(self, req: SimRequest, arrival_s: float, tokens=None, user=None, warm: bool = False) -> None:
         self.req = req
+        self.warm = warm  # a warm request (bench.sim.fleet): yields to real requests, see Replica
         self.keys = req.keys
         self.tokens = tokens
         self.P = req.prompt_len
@@ -195,6 +197,12 @@ class Replica:
         # what the current step scheduled
         self._chunks: list[ReqState] = []
         self._step_decoders = 0
+        # warm requests (bench.sim.fleet): their own queue, admitted only when no real request waits,
+        # at most warm_share of the step's token budget while real requests run
+        self.warm_queue: deque[ReqState] = deque()
+        self.warm_share = 1.0
+        self.warm_in_engine = 0  # warm requests queued or running here
+        self.warm_prefill_tokens = 0
 
     # ------------------------------------------------------------------ load numbers
 
@@ -228,7 +236,23 @@ class Replica:
         self.waiting.append(st)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.loading)
+        return bool(self.running or self.waiting or self.loading or self.warm_queue)
+
+    def add_warm(self, st: ReqState) -> None:
+        """A warm request reaches the engine: it waits behind every real request (vLLM's
+        ``--scheduling-policy priority`` with a lower priority) and its prefill takes at most
+        ``warm_share`` of a step's token budget while real requests run."""
+        st.replica = self.index
+        st.warm = True
+        self.warm_queue.append(st)
+        self.warm_in_engine += 1
+
+    def cancel_warm(self) -> list[ReqState]:
+        """Drop the warm requests not admitted yet (their replica goes); returns them."""
+        out = list(self.warm_queue)
+        self.warm_queue.clear()
+        self.warm_in_engine -= len(out)
+        return out
 
     def next_load_done(self) -> float | None:
         """When the first host-tier load in flight is done, None without one."""
@@ -280,7 +304,7 @@ class Replica:
         victim.n_cached = 0
         victim.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(victim)
+        (self.warm_queue if victim.warm else self.waiting).appendleft(victim)
         self.preempted_this_step = True
         return victim
 
@@ -289,14 +313,14 @@ class Replica:
         (or only waiting for host-tier loads: see :meth:`next_load_done`)."""
         if self.loading and self.loading[0].ready_at <= now:
             self._finish_loads(now)
-        if not self.running and not self.waiting:
+        if not self.running and not self.waiting and not self.warm_queue:
             return None
         self.step_no += 1
         s = self.step_no
         self._now = now
         self.preempted_this_step = False
         sched = self._sched
-        if not self.prefilling and not self.waiting and (not sched or sched[0][0] != s):
+        if not self.prefilling and not self.waiting and not self.warm_queue and (not sched or sched[0][0] != s):
             # fast path: only decoders, none at a block boundary
             n = self.n_decoding
             self._chunks = []
@@ -329,6 +353,11 @@ class Replica:
                 st.n_cached = n + 1
                 self._push_sched(s + bs, _CACHE, st)
         budget -= self.n_decoding
+        warm_left = 0
+        if self.warm_in_engine:  # warm requests take the whole budget only on a replica without real work
+            real = len(self.running) + len(self.waiting) + len(self.loading) - self.warm_in_engine \
+                + len(self.warm_queue)
+            warm_left = budget if real <= 0 else int(self.warm_share * self.cfg.max_num_batched_tokens)
 
         # 1b. requests in prefill continue (chunked prefill)
         chunks: list[ReqState] = []
@@ -338,6 +367,11 @@ class Replica:
             if st not in self.running:
                 continue  # preempted by an earlier one
             chunk = min(st.T - st.c, budget)
+            if st.warm:
+                chunk = min(chunk, warm_left)
+                if chunk <= 0:
+                    continue
+                warm_left -= chunk
             need = -(-(st.c + chunk) // bs) - len(st.blocks)
             gen = st.gen
             while need > pool.num_free:
@@ -357,56 +391,65 @@ class Replica:
 
         # 2. waiting requests, FCFS, if nothing was preempted
         if not self.preempted_this_step:
-            waiting = self.waiting
             max_seqs = self.cfg.max_num_seqs
             host = self.host
-            while budget > 0 and waiting and len(self.running) < max_seqs:
-                st = waiting[0]
-                if st.blocks:  # back from a host-tier load: its blocks hold its computed prefix
-                    if -(-st.T // bs) - len(st.blocks) > pool.num_free:
-                        break
-                    n_hit = st.n_cached
-                    hit_tokens = st.c
-                    chunk = min(st.T - hit_tokens, budget)
-                    new = -(-(hit_tokens + chunk) // bs) - len(st.blocks)
-                    if new > 0:
-                        st.blocks.extend(pool.get_new_blocks(new))
-                else:
-                    limit = (st.T - 1) // bs
-                    hit = pool.longest_hit(st.keys, limit)
-                    n_hit = len(hit)
-                    hit_tokens = n_hit * bs
-                    loaded = host.run(st.keys, n_hit, limit) if host is not None else 0
-                    evictable = pool.evictable(hit) if hit else 0
-                    full_need = -(-st.T // bs) - n_hit + evictable
-                    if full_need > pool.num_free:
-                        break
-                    if hit:
-                        pool.touch(hit)
-                    if loaded:
-                        self._start_load(st, hit, n_hit, loaded, now)
-                        waiting.popleft()
-                        continue
-                    chunk = min(st.T - hit_tokens, budget)
-                    new = -(-(hit_tokens + chunk) // bs) - n_hit
-                    st.blocks = hit + (pool.get_new_blocks(new) if new > 0 else [])
-                    st.n_cached = n_hit
-                    st.c = hit_tokens
-                full = min(hit_tokens + chunk, st.T) // bs
-                if full > st.n_cached:
-                    pool.cache_full_blocks(st.blocks, st.keys, st.n_cached, full, st.tokens, st.req.cache_salt)
-                    st.n_cached = full
-                if not st.admitted:
-                    st.admitted = True
-                    st.cached_tokens = hit_tokens
-                waiting.popleft()
-                self._order += 1
-                st.order = self._order
-                self.running[st] = None
-                self.prefilling.append(st)
-                st.chunk = chunk
-                chunks.append(st)
-                budget -= chunk
+            queues = (self.waiting,) if not self.warm_queue else (self.waiting, self.warm_queue)
+            for waiting in queues:
+                lim = budget
+                if waiting is self.warm_queue:
+                    if self.waiting:
+                        break  # a real request waits (for blocks): warm requests wait behind it
+                    lim = min(budget, warm_left)
+                while lim > 0 and waiting and len(self.running) < max_seqs:
+                    st = waiting[0]
+                    if st.blocks:  # back from a host-tier load: its blocks hold its computed prefix
+                        if -(-st.T // bs) - len(st.blocks) > pool.num_free:
+                            break
+                        n_hit = st.n_cached
+                        hit_tokens = st.c
+                        chunk = min(st.T - hit_tokens, lim)
+                        new = -(-(hit_tokens + chunk) // bs) - len(st.blocks)
+                        if new > 0:
+                            st.blocks.extend(pool.get_new_blocks(new))
+                    else:
+                        limit = (st.T - 1) // bs
+                        hit = pool.longest_hit(st.keys, limit)
+                        n_hit = len(hit)
+                        hit_tokens = n_hit * bs
+                        loaded = host.run(st.keys, n_hit, limit) if host is not None else 0
+                        evictable = pool.evictable(hit) if hit else 0
+                        full_need = -(-st.T // bs) - n_hit + evictable
+                        if full_need > pool.num_free:
+                            break
+                        if hit:
+                            pool.touch(hit)
+                        if loaded:
+                            self._start_load(st, hit, n_hit, loaded, now)
+                            waiting.popleft()
+                            continue
+                        chunk = min(st.T - hit_tokens, lim)
+                        new = -(-(hit_tokens + chunk) // bs) - n_hit
+                        st.blocks = hit + (pool.get_new_blocks(new) if new > 0 else [])
+                        st.n_cached = n_hit
+                        st.c = hit_tokens
+                    full = min(hit_tokens + chunk, st.T) // bs
+                    if full > st.n_cached:
+                        pool.cache_full_blocks(st.blocks, st.keys, st.n_cached, full, st.tokens, st.req.cache_salt)
+                        st.n_cached = full
+                    if not st.admitted:
+                        st.admitted = True
+                        st.cached_tokens = hit_tokens
+                    waiting.popleft()
+                    self._order += 1
+                    st.order = self._order
+                    self.running[st] = None
+                    self.prefilling.append(st)
+                    st.chunk = chunk
+                    chunks.append(st)
+                    budget -= chunk
+                    lim -= chunk
+                    if st.warm:
+                        warm_left -= chunk
 
         # 3. the step's duration
         self._chunks = chunks
@@ -421,6 +464,8 @@ class Replica:
         for st in chunks:
             c, n = st.c, st.chunk
             p_tokens += n
+            if st.warm:
+                self.warm_prefill_tokens += n
             pairs += n * (c + (n + 1) / 2.0)
             kv_read += c
             if c + n == st.T:
@@ -513,6 +558,8 @@ class Replica:
 
     def _release(self, st: ReqState, now: float) -> None:
         del self.running[st]
+        if st.warm:
+            self.warm_in_engine -= 1
         st.gen += 1
         self.pool.free_blocks(reversed(st.blocks))
         st.blocks = []

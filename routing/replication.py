@@ -1,0 +1,93 @@
+"""Hot-prefix replication: whether a second copy of a prefix pays, and where it goes.
+
+When the replica that holds a hot prefix is the bottleneck, every request for the
+prefix either queues behind it or spills and pays a whole prefill at peak.  A copy
+warmed ahead of demand, at low priority, on the replica where it costs least, lets
+later requests hit on either.  :func:`replication_target` decides it under the
+routing policy's own prices (``routing.policy``: the same ``ReplicaView`` per
+replica and the same ``PolicyConfig``), for a request of just that prefix::
+
+    holder_wait_s = min over holders h of cost_h      (its queue: the prefix is cached there)
+    copy_s        = cost_t of the target t            (the copy's prefill, after t's own queue)
+    replicate when holder_wait_s > copy_s  and  holders < max_copies
+
+``cost_r`` is ``routing.policy.choose_replica``'s predicted TTFT (``Decision.costs``),
+and the target is the replica ``choose_replica`` picks among the non-holders (lowest
+score, its load bound and tie-break).  A holder holds the whole prefix, on either tier.
+The caller bounds the rest: how often a prefix is looked at, and the share of prefill
+capacity its warm requests may take.
+
+Pure: views in, a decision out; no Ray, no clock.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from routing.policy import PolicyConfig, ReplicaView, RoutingRequest, choose_replica
+
+__all__ = ["ReplicationDecision", "replication_target"]
+
+ReplicationReason = Literal["replicate", "not_held", "max_copies", "holder_not_bottleneck", "no_target"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicationDecision:
+    """Whether to warm a copy of a prefix, where, and the prices that said so.
+
+    Attributes:
+        target: the replica to warm the copy on, or None.
+        reason: ``replicate``, or why not (``not_held``: no replica holds it whole;
+            ``max_copies``: enough replicas hold it; ``holder_not_bottleneck``: its
+            holder's queue costs no more than the copy; ``no_target``: every
+            candidate holds it).
+        holders: replicas that hold the whole prefix.
+        holder_wait_s: predicted TTFT of a request for the prefix on its best holder, seconds.
+        copy_s: predicted TTFT of that request on the target (its prefill included), seconds.
+    """
+
+    target: str | None
+    reason: ReplicationReason
+    holders: tuple[str, ...] = ()
+    holder_wait_s: float = 0.0
+    copy_s: float = 0.0
+
+
+def replication_target(prefix_blocks: int, block_size: int, views: Sequence[ReplicaView], config: PolicyConfig,
+                       rng: random.Random, max_copies: int = 2) -> ReplicationDecision:
+    """Decide whether a prefix of ``prefix_blocks`` full blocks gets one more copy.
+
+    Args:
+        prefix_blocks: the prefix's length in blocks (> 0).
+        block_size: tokens per block.
+        views: every candidate replica, as the router sees it for a request of the
+            prefix (``matched_blocks`` / ``host_blocks``: its blocks of the prefix).
+        config: the routing policy's prices.
+        rng: tie-breaks among equal targets (``choose_replica``'s).
+        max_copies: replicas that may hold the prefix (>= 1).
+
+    Raises:
+        ValueError: ``prefix_blocks`` or ``max_copies`` below 1.
+    """
+    if prefix_blocks < 1 or max_copies < 1:
+        raise ValueError(f"prefix_blocks and max_copies must be >= 1: {prefix_blocks}, {max_copies}")
+    holders = tuple(v.replica_id for v in views if v.matched_blocks + v.host_blocks >= prefix_blocks)
+    if not holders:
+        return ReplicationDecision(None, "not_held")
+    if len(holders) >= max_copies:
+        return ReplicationDecision(None, "max_copies", holders)
+    others = [v for v in views if v.replica_id not in holders]
+    if not others:
+        return ReplicationDecision(None, "no_target", holders)
+    # A request of the whole prefix plus one token: every block of the prefix counts as cached on a holder.
+    request = RoutingRequest(prefix_blocks * block_size + 1, block_size)
+    costs = choose_replica(request, views, config, random.Random(0)).costs
+    holder_wait = min(costs[h] for h in holders)
+    target = choose_replica(request, others, config, rng).replica_id if len(others) > 1 else others[0].replica_id
+    copy = costs[target]
+    if holder_wait <= copy:
+        return ReplicationDecision(None, "holder_not_bottleneck", holders, holder_wait, copy)
+    return ReplicationDecision(target, "replicate", holders, holder_wait, copy)
