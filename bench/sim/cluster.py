@@ -233,7 +233,7 @@ def simulate_policy(
     inf = float("inf")
     if cfg.fleet is not None:
         fleet = Fleet(cfg.fleet, policy, replicas, join, push_fleet, kick, workload, uses_events, cfg.seed)
-        fleet.start(reqs[0].arrival_s if reqs else 0.0, reqs[-1].arrival_s if reqs else 0.0)
+        fleet.start(min(0.0, reqs[0].arrival_s) if reqs else 0.0, reqs[-1].arrival_s if reqs else 0.0)
     while True:
         next_arrival = reqs[ai].arrival_s if ai < n else inf
         if heap and heap[0][0] <= next_arrival:
