@@ -9,7 +9,19 @@ replica and the same ``PolicyConfig``), for a request of just that prefix::
 
     holder_wait_s = min over holders h of cost_h      (its queue: the prefix is cached there)
     copy_s        = cost_t of the target t            (the copy's prefill, after t's own queue)
-    replicate when holder_wait_s > copy_s  and  holders < max_copies
+    prefill_s     = prefix_tokens * prefill_cost_per_token_s
+    gain_s        = expected_requests * (holder_wait_s - (copy_s - prefill_s))
+    price_s       = w * prefill_s                     (w: the policy's uncached weight, busy-adjusted)
+    replicate when holders < max_copies, holder_wait_s > copy_s and gain_s > price_s
+
+The first test is the issue's rule: the holder's queue costs more than the copy's prefill
+(after the target's own queue).  The second is the policy's price of recomputed tokens
+(``routing.policy``: a recomputed token delays every request queued behind it, by the
+weight ``w = uncached_weight * (1 + busy_cluster_weight * busy)``): the copy is paid back
+only by the requests it serves, each waiting on the target's queue instead of the holder's.
+``expected_requests`` is the caller's estimate of those (the live router and the simulator:
+the prefix's recent hits, ``routing.hot_prefixes``); a prefix one session reuses (one hit)
+rarely pays, a shared system prompt under load does.
 
 ``cost_r`` is ``routing.policy.choose_replica``'s predicted TTFT (``Decision.costs``),
 and the target is the replica ``choose_replica`` picks among the non-holders (lowest
@@ -31,7 +43,8 @@ from routing.policy import PolicyConfig, ReplicaView, RoutingRequest, choose_rep
 
 __all__ = ["ReplicationDecision", "replication_target"]
 
-ReplicationReason = Literal["replicate", "not_held", "max_copies", "holder_not_bottleneck", "no_target"]
+ReplicationReason = Literal["replicate", "not_held", "max_copies", "holder_not_bottleneck", "not_paid_back",
+                            "no_target"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +55,14 @@ class ReplicationDecision:
         target: the replica to warm the copy on, or None.
         reason: ``replicate``, or why not (``not_held``: no replica holds it whole;
             ``max_copies``: enough replicas hold it; ``holder_not_bottleneck``: its
-            holder's queue costs no more than the copy; ``no_target``: every
-            candidate holds it).
+            holder's queue costs no more than the copy; ``not_paid_back``: the
+            expected requests save less than the copy's weighted prefill;
+            ``no_target``: every candidate holds it).
         holders: replicas that hold the whole prefix.
         holder_wait_s: predicted TTFT of a request for the prefix on its best holder, seconds.
         copy_s: predicted TTFT of that request on the target (its prefill included), seconds.
+        gain_s: what the copy saves the requests expected to use it, seconds.
+        price_s: the copy's weighted prefill, seconds.
     """
 
     target: str | None
@@ -54,10 +70,12 @@ class ReplicationDecision:
     holders: tuple[str, ...] = ()
     holder_wait_s: float = 0.0
     copy_s: float = 0.0
+    gain_s: float = 0.0
+    price_s: float = 0.0
 
 
 def replication_target(prefix_blocks: int, block_size: int, views: Sequence[ReplicaView], config: PolicyConfig,
-                       rng: random.Random, max_copies: int = 2) -> ReplicationDecision:
+                       rng: random.Random, max_copies: int = 2, expected_requests: float = 1.0) -> ReplicationDecision:
     """Decide whether a prefix of ``prefix_blocks`` full blocks gets one more copy.
 
     Args:
@@ -68,6 +86,7 @@ def replication_target(prefix_blocks: int, block_size: int, views: Sequence[Repl
         config: the routing policy's prices.
         rng: tie-breaks among equal targets (``choose_replica``'s).
         max_copies: replicas that may hold the prefix (>= 1).
+        expected_requests: requests expected to use the copy (>= 0).
 
     Raises:
         ValueError: ``prefix_blocks`` or ``max_copies`` below 1.
@@ -88,6 +107,18 @@ def replication_target(prefix_blocks: int, block_size: int, views: Sequence[Repl
     holder_wait = min(costs[h] for h in holders)
     target = choose_replica(request, others, config, rng).replica_id if len(others) > 1 else others[0].replica_id
     copy = costs[target]
+    per_token = config.prefill_cost_per_token_s
+    prefill = prefix_blocks * block_size * per_token
+    gain = expected_requests * (holder_wait - (copy - prefill))
+    weight = config.uncached_weight
+    if config.busy_cluster_weight:  # as routing.policy: the least queued candidate not saturated (else any)
+        free = [v.queued_prefill_tokens for v in views
+                if v.max_ongoing_requests is None or v.inflight_requests < v.max_ongoing_requests]
+        busy = min(free or [v.queued_prefill_tokens for v in views])
+        weight *= 1.0 + config.busy_cluster_weight * busy / request.prompt_tokens
+    price = weight * prefill
     if holder_wait <= copy:
-        return ReplicationDecision(None, "holder_not_bottleneck", holders, holder_wait, copy)
-    return ReplicationDecision(target, "replicate", holders, holder_wait, copy)
+        return ReplicationDecision(None, "holder_not_bottleneck", holders, holder_wait, copy, gain, price)
+    if gain <= price:
+        return ReplicationDecision(None, "not_paid_back", holders, holder_wait, copy, gain, price)
+    return ReplicationDecision(target, "replicate", holders, holder_wait, copy, gain, price)

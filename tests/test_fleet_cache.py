@@ -90,18 +90,36 @@ def test_replication_pays_only_when_the_holders_queue_costs_more_than_the_copy()
     copy_s = (blocks * BS + 1) * cfg.prefill_cost_per_token_s
     # The holder's cost: (1 + queued) * per_token; running is 0 (num_running given as 0)
     at_par = blocks * BS  # (1 + 160) == 161: equal, no copy
-    d = replication_target(blocks, BS, views(at_par), cfg, random.Random(0))
+    many = 1000.0  # requests expected to use the copy: the payback test passes
+    d = replication_target(blocks, BS, views(at_par), cfg, random.Random(0), expected_requests=many)
     assert d.reason == "holder_not_bottleneck" and d.target is None
     assert d.copy_s == pytest.approx(copy_s) and d.holder_wait_s == pytest.approx(copy_s)
-    d = replication_target(blocks, BS, views(at_par + 1), cfg, random.Random(0))
+    d = replication_target(blocks, BS, views(at_par + 1), cfg, random.Random(0), expected_requests=many)
     assert d.reason == "replicate" and d.target in ("o0", "o1") and d.holders == ("h",)
     assert d.holder_wait_s == pytest.approx((at_par + 2) * cfg.prefill_cost_per_token_s)
+
+
+def test_a_copy_must_be_paid_back_by_the_requests_expected_to_use_it():
+    cfg = PolicyConfig()
+    per = cfg.prefill_cost_per_token_s
+    # One expected request: it saves holder_wait - target_wait = (1 + q) * per - 1 * per = q * per.
+    # The copy's price: uncached_weight * (1 + 0 busy: the others are idle) * 160 tokens * per = 640 * per.
+    d = replication_target(10, BS, views(600), cfg, random.Random(0), expected_requests=1.0)
+    assert d.reason == "not_paid_back" and d.gain_s == pytest.approx(600 * per)
+    assert d.price_s == pytest.approx(cfg.uncached_weight * 160 * per)
+    assert replication_target(10, BS, views(700), cfg, random.Random(0), expected_requests=1.0).reason == "replicate"
+    # Two expected requests double the gain: 2 * 400 * per > 640 * per.
+    assert replication_target(10, BS, views(400), cfg, random.Random(0), expected_requests=2.0).reason == "replicate"
+    # A busy cluster weighs the copy's prefill more (routing.policy's busy weight): all others queue 320 tokens.
+    d = replication_target(10, BS, views(700, other_queued=320), cfg, random.Random(0), expected_requests=1.0)
+    assert d.price_s == pytest.approx(cfg.uncached_weight * (1 + 320 / 161) * 160 * per)
+    assert d.reason == "not_paid_back"
 
 
 def test_replication_goes_where_the_copy_costs_least():
     vs = [ReplicaView("h", 10, 1, 100_000, 0, 0), ReplicaView("busy", 0, 0, 5_000, 0, 0),
           ReplicaView("idle", 0, 0, 0, 0, 0)]
-    d = replication_target(10, BS, vs, PolicyConfig(), random.Random(0))
+    d = replication_target(10, BS, vs, PolicyConfig(), random.Random(0), expected_requests=10.0)
     assert d.target == "idle"
 
 
@@ -223,7 +241,9 @@ def test_replication_fires_only_when_it_pays_and_respects_its_bounds():
     rep = fl["replication"]
     assert rep.get("replicate", 0) == fl["warm_requests"].get("sent_replicate", 0)
     for ex in fl["replication_examples"].get("replicate", []):
-        assert ex["holder_wait_s"] > ex["copy_s"] and len(ex["holders"]) < 2
+        assert ex["holder_wait_s"] > ex["copy_s"] and ex["gain_s"] > ex["price_s"] and len(ex["holders"]) < 2
+    for ex in fl["replication_examples"].get("not_paid_back", []):
+        assert ex["gain_s"] <= ex["price_s"]
     for ex in fl["replication_examples"].get("holder_not_bottleneck", []):
         assert ex["holder_wait_s"] <= ex["copy_s"]
     one = simulate_policy(wl, make_policy("prefix_affinity"), replace(cfg, fleet=FleetConfig(replicate=True,

@@ -364,12 +364,15 @@ class Fleet:
             if w.keys[-1] in self.pending:
                 continue
             views = policy.replication_views(w.keys, cands, now)
-            d = replication_target(len(w.keys), self.bs, views, policy.router.policy, self.rng, self.cfg.max_copies)
+            hits = w.heat / w.tokens  # recent hits (decayed): the requests expected to use a copy
+            d = replication_target(len(w.keys), self.bs, views, policy.router.policy, self.rng, self.cfg.max_copies,
+                                   hits)
             self.replication[d.reason] += 1
             ex = self.replication_examples.setdefault(d.reason, [])
             if len(ex) < 5 and d.reason != "not_held":
-                ex.append({"t": round(now, 3), "tokens": w.tokens, "heat": round(w.heat), "holders": list(d.holders),
-                           "holder_wait_s": round(d.holder_wait_s, 4), "copy_s": round(d.copy_s, 4),
+                ex.append({"t": round(now, 3), "tokens": w.tokens, "recent_hits": round(hits, 2),
+                           "holders": list(d.holders), "holder_wait_s": round(d.holder_wait_s, 4),
+                           "copy_s": round(d.copy_s, 4), "gain_s": round(d.gain_s, 4), "price_s": round(d.price_s, 4),
                            "target": d.target})
             if d.target is not None:
                 target = next(r for r in cands if self.replicas[r].id == d.target)
