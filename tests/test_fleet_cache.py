@@ -250,3 +250,29 @@ def test_replication_fires_only_when_it_pays_and_respects_its_bounds():
                                                                                                max_copies=1)))
     assert one.extra["fleet"]["warm_requests"].get("sent_replicate", 0) == 0
     assert set(one.extra["fleet"]["replication"]) <= {"max_copies", "not_held"}
+
+
+def test_fleet_compare_reports_each_policy_with_and_without_the_feature():
+    from bench.sim.fleet_compare import compare, rows
+
+    report = compare({"base": [], "churn": ["--churn-every", "5", "--scale-schedule", "8:+1"]},
+                     ["--workload", "chat", "--num-requests", "150", "--replicas", "3", "--policies",
+                      "round_robin,prefix_affinity"])
+    assert list(report["policies"]) == ["round_robin|base", "prefix_affinity|base", "round_robin|churn",
+                                        "prefix_affinity|churn"]
+    assert "fleet" not in report["policies"]["prefix_affinity|base"]["extra"]
+    for name in ("round_robin|churn", "prefix_affinity|churn"):
+        fl = report["policies"][name]["extra"]["fleet"]
+        churns = sum(e["event"] == "churn" for e in fl["events"])
+        assert fl["warm_requests"]["joined"] == churns + 1 and fl["replicas_at_end"] == 4
+    assert len(rows(report)) == 5
+
+
+def test_cli_refuses_a_malformed_fleet_option():
+    from bench.sim.cli import _fleet, build_parser
+
+    wl = workload(20)
+    for bad in (["--scale-schedule", "10"], ["--warmup", "top:3"], ["--churn-every", "0", "--rewarm"]):
+        with pytest.raises(SystemExit):
+            _fleet(build_parser().parse_args(["--workload", "chat", *bad]), wl, BS)
+    assert _fleet(build_parser().parse_args(["--workload", "chat"]), wl, BS) is None
