@@ -82,3 +82,25 @@ def test_app_args_set_on_the_command_line_override_the_config_and_validate(tmp_p
     assert parsed.stream_transport == "ray" and parsed.lifecycle.stream_keepalive_s == 0
     with pytest.raises(ValueError, match="KEY=VALUE"):
         so.parse_sets(["stream_transport"])
+
+
+def test_the_serve_floor_runs_vllms_own_app_from_the_same_args():
+    """``--app-kind serve-vllm`` swaps only the import path (and readiness path): same args, one replica;
+    its replica parses the same vLLM command line the bare server runs."""
+    from pathlib import Path
+
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from bench import vllm_server
+
+    base = so.app_config(Path(so.REPO / "serve_config.yaml"), 18999)
+    floor = so.app_config(Path(so.REPO / "serve_config.yaml"), 18999, app_kind="serve-vllm")
+    assert floor["applications"][0]["import_path"] == "bench.serve_vllm:build"
+    assert base["applications"][0]["import_path"] == "app.builder:build_app"
+    assert floor["applications"][0]["args"] == base["applications"][0]["args"]
+    assert so.APP_KINDS["serve-vllm"][1] == "/health"
+    args = floor["applications"][0]["args"]
+    parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_server.command(args, 0)[3:])
+    assert (parsed.model, parsed.block_size, parsed.max_num_seqs) == (
+        str(so.REPO / args["model"]), args["engine"]["block_size"], args["engine"]["max_num_seqs"])
