@@ -25,6 +25,11 @@ _BOUNDS = (("pooled_cache_hit_rate", "pooled cache (LRU)", "crimson", "--"),
            ("unbounded_cache_hit_rate", "unbounded cache", "royalblue", ":"))
 
 
+def _named(policy: str) -> str:
+    """A policy's name on the figure: this project's router is marked as ours."""
+    return f"{policy} (ours)" if policy == _OURS else policy
+
+
 def figure_title(report: dict[str, Any]) -> str:
     """Two lines: workload, requests run (rows dropped and why), cluster; then the offered load."""
     w, c = report["workload"], report["config"]
@@ -75,7 +80,7 @@ def plot_report(report: dict[str, Any], path: str | os.PathLike, title: str | No
         xs = [max(v, 1e-3) for v in q]
         ys = [k / (len(q) - 1) for k in range(len(q))]
         ours = lead == _OURS
-        ax1.step(xs, ys, where="post", label=" = ".join(group), color=color[lead],
+        ax1.step(xs, ys, where="post", label=" = ".join(_named(n) for n in group), color=color[lead],
                  linewidth=4.5 if ours else 1.3, alpha=0.35 if ours else 1.0,
                  linestyle="-" if ours else _STYLES[gi % len(_STYLES)],
                  marker=None if ours else _MARKERS[gi % len(_MARKERS)], markersize=4,
@@ -92,7 +97,7 @@ def plot_report(report: dict[str, Any], path: str | os.PathLike, title: str | No
 
     rates = [pols[n]["hit_rate"] * 100 for n in names]
     ax2.barh(range(len(names)), rates, color=[color[n] for n in names])
-    ax2.set_yticks(range(len(names)), names, fontsize=8)
+    ax2.set_yticks(range(len(names)), [_named(n) for n in names], fontsize=8)
     ax2.invert_yaxis()
     shown = {k: bounds[k] * 100 for k, *_ in _BOUNDS if k in bounds}
     top = max(rates + list(shown.values()) + [1.0])
