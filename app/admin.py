@@ -48,7 +48,7 @@ METRICS_PATHS = frozenset({"/metrics", "/metrics/engines", "/metrics/ingresses"}
 """Routes served without the API key when ``metrics_public`` is set."""
 
 
-async def _ask(router: Any, fn: Any) -> Any:
+async def ask_router(router: Any, fn: Any) -> Any:
     """``fn()`` run on the router's own event loop (its state's owner), when it has one."""
     ask = getattr(router, "ask", None)
     return await ask(fn) if ask is not None else fn()
@@ -102,7 +102,7 @@ class AdminRoutes:
         for router in list(metrics.ROUTERS):
             report = getattr(router, "replica_loads", None)
             if report is not None:
-                loads.update(await _ask(router, report))
+                loads.update(await ask_router(router, report))
         return {"server_load": sum(loads.values()), "replicas": dict(sorted(loads.items()))}
 
     @fastapi_app.post("/reset_prefix_cache")
@@ -256,7 +256,7 @@ class AdminRoutes:
             if check is None:
                 return False, {"reason": f"request router {type(router).__name__} has no readiness() check"}
             try:
-                ok, state = await _ask(router, check)
+                ok, state = await ask_router(router, check)
             except Exception as e:  # noqa: BLE001 - a router bug must not fail the probe with a 500
                 logger.exception("router readiness check failed")
                 return False, {"reason": f"request router readiness check failed: {type(e).__name__}"}
@@ -294,7 +294,7 @@ class AdminRoutes:
     @fastapi_app.get("/debug/routing")
     async def debug_routing(self) -> dict[str, Any]:
         """Index and event-path state of every request router in this ingress process."""
-        return {"routers": [await _ask(r, r.snapshot) for r in list(metrics.ROUTERS)]}
+        return {"routers": [await ask_router(r, r.snapshot) for r in list(metrics.ROUTERS)]}
 
     @fastapi_app.get("/debug/routing/decisions/{request_id}")
     async def debug_decision(self, request_id: str) -> dict[str, Any]:
@@ -306,7 +306,7 @@ class AdminRoutes:
         ids = [request_id] if base_of(request_id) == request_id else [base_of(request_id), request_id]
         for router in list(metrics.ROUTERS):  # the create first: retrieves and cancels come after it
             for rid in ids:
-                found += await _ask(router, lambda r=router, rid=rid: r.decisions_for(rid))
+                found += await ask_router(router, lambda r=router, rid=rid: r.decisions_for(rid))
         if found:  # a client may send two requests under one id: the newest, with the others named
             return {**found[-1], "earlier": found[:-1]} if len(found) > 1 else found[-1]
         raise OpenAIError(f"no routing decision recorded for request `{request_id}`", 404)
@@ -318,7 +318,7 @@ class AdminRoutes:
 
         for router in list(metrics.ROUTERS):
             try:
-                await _ask(router, router.export_gauges)
+                await ask_router(router, router.export_gauges)
             except Exception:  # noqa: BLE001 - a scrape still answers, with that router's gauges as they were
                 logger.exception("refreshing a router's gauges failed")
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
@@ -328,7 +328,7 @@ class AdminRoutes:
         """Engine replicas' metrics endpoints in Prometheus ``http_sd_configs`` format."""
         targets: dict[str, str] = {}
         for router in list(metrics.ROUTERS):
-            targets.update(await _ask(router, router.engine_metrics_targets))
+            targets.update(await ask_router(router, router.engine_metrics_targets))
         return sd_targets(targets)
 
     @fastapi_app.get("/metrics/ingresses")

@@ -106,10 +106,7 @@ def check_warmup(cfg: AppArgs) -> AppArgs:
     line that is no prompt, a name given twice, or a prompt that fails to render or exceeds the context."""
     if not cfg.warmup.prompts and cfg.warmup.file is None:
         return cfg
-    try:
-        warmup = cfg.warmup.inlined()
-    except OSError as e:
-        raise ValueError(f"warmup.file {cfg.warmup.file}: {e}") from None
+    warmup = cfg.warmup.inlined()
     names = [name for name, _ in warmup.named()]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:

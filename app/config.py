@@ -15,7 +15,16 @@ import random
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from routing import defaults
@@ -419,13 +428,16 @@ class WarmupPrompt(_Strict):
     completion's prompt; ``prompt_token_ids`` are sent as they are.
     """
 
-    name: str | None = Field(None, min_length=1, description="named in errors, logs and readiness; default: "
-                                                              "its place (warmup.prompts[i] or file:line)")
+    name: str | None = Field(None, pattern=r"\S", max_length=256,
+                             description="named in errors, logs and readiness; default: its place "
+                                         "(warmup.prompts[i] or file:line)")
     messages: list[dict[str, Any]] | None = Field(None, min_length=1, description="chat messages (OpenAI shape)")
     prompt: str | None = Field(None, min_length=1, description="a completion prompt (text)")
-    prompt_token_ids: list[int] | None = Field(None, min_length=1, description="token ids, as the engine sees them")
+    prompt_token_ids: list[StrictInt] | None = Field(None, min_length=1,
+                                                     description="token ids, as the engine sees them")
     cache_salt: str | None = Field(None, min_length=1, description="the tenant salt the requests it serves carry")
-    copies: int = Field(1, ge=1, description="engine replicas that should hold it (at most the replicas running)")
+    copies: int = Field(1, ge=1, le=1024, description="engine replicas that should hold it (at most the replicas "
+                                                        "running; a router follows 1,024 at most)")
 
     @model_validator(mode="after")
     def _one_form(self) -> WarmupPrompt:
@@ -455,12 +467,20 @@ class WarmupConfig(_Strict):
 
     def named(self) -> list[tuple[str, WarmupPrompt]]:
         """Every prompt with its name (its own, else ``warmup.prompts[i]`` or ``<file>:<line>``), inline
-        ones first; raises ``ValueError`` naming the file line that is not a valid prompt."""
+        ones first; raises ``ValueError`` naming the file that cannot be read as UTF-8 or holds no
+        prompt, or the line that is not a valid prompt."""
         out = [(p.name or f"warmup.prompts[{i}]", p) for i, p in enumerate(self.prompts)]
         if self.file is None:
             return out
         path = Path(resolve_path(self.file))
-        for n, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (some editors write one) is no prompt
+        except (OSError, UnicodeError) as e:
+            raise ValueError(f"warmup.file {self.file}: {e}") from None
+        lines = text.splitlines()
+        if not any(line.strip() for line in lines):
+            raise ValueError(f"warmup.file {self.file}: no prompt in it (an empty file is a mistaken path, say)")
+        for n, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:

@@ -50,7 +50,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.responses import Response
 
 from app import auth, metrics, metrics_server, node_address, results, tracing
-from app.admin import METRICS_PATHS, PUBLIC_PATHS, AdminRoutes
+from app.admin import METRICS_PATHS, PUBLIC_PATHS, AdminRoutes, ask_router
 from app.config import AppArgs
 from app.errors import quiet_client_errors
 from app.http_app import fastapi_app, read_body
@@ -101,7 +101,7 @@ class OpenAIIngress(AdminRoutes):
             for status in results.STATUSES:
                 metrics.REQUESTS.labels(route=route, status=status)
         # The configured prefixes, prefilled once the router is ready; /ready waits for them (app.warmup).
-        self.warmup = Warmup(self.serving, self.args, self._router_ready)
+        self.warmup = Warmup(self.serving, self.args, self._router_ready, self._engine_replica_ids)
         try:
             self.warmup.start()
         except RuntimeError:  # no running loop in this constructor: the first /ready starts it
@@ -109,6 +109,13 @@ class OpenAIIngress(AdminRoutes):
 
     async def _router_ready(self) -> bool:
         return (await self._router_readiness())[0]
+
+    async def _engine_replica_ids(self) -> set[str]:
+        """The engine replicas Serve runs now, as this process's routers list them."""
+        ids: set[str] = set()
+        for router in list(metrics.ROUTERS):
+            ids.update(await ask_router(router, router.replica_ids))
+        return ids
 
     async def __del__(self):
         """Serve's shutdown hook, after the drain: leave the metrics target book, stop

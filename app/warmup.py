@@ -12,8 +12,10 @@ engine replicas should hold it. Each ingress replica runs one ``Warmup``:
   further copy goes to the cheapest replica not yet holding it (``EngineRequest.avoid_replicas``:
   the replicas that answered the earlier copies), or stops when every running replica holds it;
 - ``/ready`` answers 503 ``warming up: i of n prompts done`` until every prompt was tried
-  (``progress``); a prompt whose request failed at run time (an engine lost, the deadline) is
-  logged and named in the readiness detail, and does not hold readiness back.
+  (``progress``); a prompt whose request failed at run time (the deadline, a refusal) is logged
+  and named in ``failed``, and does not hold readiness back; copies held by an engine replica
+  lost meanwhile are sent once more, elsewhere, and a prompt still held by fewer running replicas
+  than its ``copies`` (or than the replicas running) is named in ``short``.
 
 Every warm request is real work, counted apart: ``prefix_serve_warmup_requests_total{reason,
 outcome}`` and ``prefix_serve_warmup_prefill_tokens_total{reason}`` (prompt less cached tokens),
@@ -82,26 +84,36 @@ async def check(preparer: Any, cfg: AppArgs) -> list[int]:
     return lengths
 
 
+PROMPTS_SHOWN = 64
+"""``/ready`` lists each prompt's replicas and request ids only for a list this long or shorter."""
+
+
 @dataclass
 class Progress:
     """Where the warm-up stands: ``state`` ``waiting`` (for the router), ``running`` or ``done``;
-    ``done`` of ``total`` prompts tried; ``failed`` names those whose request failed; ``prompts``
-    maps each prompt's name to ``{"replicas": [the engine replicas that answered its copies],
-    "request_ids": [its warm requests' ids, for /debug/routing/decisions/{id}]}``;
-    ``prefill_tokens`` were prefilled (prompt less cached tokens, every copy)."""
+    ``done`` of ``total`` prompts tried, ``requests_done`` warm requests answered (copies count);
+    ``failed`` names the prompts whose request failed, ``short`` those held by fewer running
+    replicas than their ``copies`` (or than the replicas running) at the end; ``prompts`` maps each
+    prompt's name to ``{"replicas": [the running engine replicas that hold it], "request_ids": [its
+    warm requests' ids, for /debug/routing/decisions/{id}]}``; ``prefill_tokens`` were prefilled
+    (prompt less cached tokens, every copy)."""
 
     total: int
     state: str = "waiting"
     done: int = 0
+    requests_done: int = 0
     failed: list[str] = field(default_factory=list)
+    short: list[str] = field(default_factory=list)
     prompts: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     prefill_tokens: int = 0
 
     def detail(self) -> dict[str, Any]:
-        """The readiness detail: the counts, and each prompt's replicas once the warm-up is done."""
+        """The readiness detail: the counts, and (once done, for at most ``PROMPTS_SHOWN`` prompts) each
+        prompt's replicas and request ids."""
         d: dict[str, Any] = {"state": self.state, "done": self.done, "total": self.total,
-                             "failed": list(self.failed), "prefill_tokens": self.prefill_tokens}
-        if self.state == "done":
+                             "requests_done": self.requests_done, "failed": list(self.failed),
+                             "short": list(self.short), "prefill_tokens": self.prefill_tokens}
+        if self.state == "done" and self.total <= PROMPTS_SHOWN:
             d["prompts"] = {name: {k: list(v) for k, v in p.items()} for name, p in self.prompts.items()}
         return d
 
@@ -114,13 +126,16 @@ class Warmup:
         cfg: the app args (``warmup``, ``served_model_name``, ``lifecycle.request_timeout_s``).
         router_ready: ``await router_ready()`` is True once the request router can route (``/ready``
             without the warm-up).
+        running_replicas: ``await running_replicas()`` is the set of engine replica ids Serve runs now.
     """
 
-    def __init__(self, serving: Any, cfg: AppArgs, router_ready: Callable[[], Awaitable[bool]]):
+    def __init__(self, serving: Any, cfg: AppArgs, router_ready: Callable[[], Awaitable[bool]],
+                 running_replicas: Callable[[], Awaitable[set[str]]]):
         self.serving = serving
         self.cfg = cfg
         self.prompts = cfg.warmup.named()
         self.router_ready = router_ready
+        self.running_replicas = running_replicas
         self.progress = Progress(total=len(self.prompts), state="done" if not self.prompts else "waiting")
         self._task: asyncio.Task | None = None
 
@@ -148,29 +163,54 @@ class Warmup:
         self.progress.state = "running"
         logger.info("warm-up: %d prompts", len(self.prompts))
         gate = asyncio.Semaphore(self.cfg.warmup.concurrency)
-        await asyncio.gather(*(self._warm(name, prompt, gate) for name, prompt in self.prompts))
+        holders: dict[str, list[str]] = {name: [] for name, _ in self.prompts}
+        await asyncio.gather(*(self._warm(name, prompt, gate, holders[name]) for name, prompt in self.prompts))
+        # A replica lost meanwhile took its copies with it: send the missing copies once more, elsewhere.
+        live = await self._running()
+        for name in holders:
+            holders[name][:] = [h for h in holders[name] if h in live]
+        lost = [(name, prompt) for name, prompt in self.prompts if name not in self.progress.failed
+                and len(holders[name]) < min(prompt.copies, len(live))]
+        if lost:
+            logger.warning("warm-up: %d prompts lost copies with an engine replica; warming them again", len(lost))
+            await asyncio.gather(*(self._warm(name, prompt, gate, holders[name], again=True)
+                                   for name, prompt in lost))
+            live = await self._running()
+        for name, prompt in self.prompts:
+            holders[name][:] = [h for h in holders[name] if h in live]
+            if len(holders[name]) < min(prompt.copies, len(live)) and name not in self.progress.failed:
+                self.progress.short.append(name)
         self.progress.state = "done"
-        p = self.progress
-        logger.info("warm-up done: %d prompts, %d prefill tokens, %d failed%s", p.total, p.prefill_tokens,
-                    len(p.failed), f" ({', '.join(p.failed)})" if p.failed else "")
+        g = self.progress
+        logger.info("warm-up done: %d prompts, %d prefill tokens, %d failed%s, %d short of their copies", g.total,
+                    g.prefill_tokens, len(g.failed), f" ({', '.join(g.failed)})" if g.failed else "", len(g.short))
 
-    async def _warm(self, name: str, prompt: WarmupPrompt, gate: asyncio.Semaphore) -> None:
-        """Every copy of one prompt, one after another (each copy's placement needs the last one's)."""
-        holders: list[str] = []
-        ids: list[str] = []
-        self.progress.prompts[name] = {"replicas": holders, "request_ids": ids}
+    async def _running(self) -> set[str]:
         try:
-            for _ in range(prompt.copies):
+            return await self.running_replicas()
+        except Exception:  # noqa: BLE001 - no answer: count no replica as lost
+            logger.warning("warm-up: could not list the engine replicas", exc_info=True)
+            return {h for p in self.progress.prompts.values() for h in p["replicas"]}
+
+    async def _warm(self, name: str, prompt: WarmupPrompt, gate: asyncio.Semaphore, holders: list[str],
+                    again: bool = False) -> None:
+        """The copies of one prompt that ``holders`` (the replicas holding it) lack, one after another (each
+        copy's placement needs the last one's)."""
+        ids = self.progress.prompts.setdefault(name, {"replicas": holders, "request_ids": []})["request_ids"]
+        try:
+            while len(holders) < prompt.copies:
                 async with gate:
                     summary = await self._send(name, prompt, tuple(holders), ids)
                 if summary is None:
                     self.progress.failed.append(name)
                     break
+                self.progress.requests_done += 1
                 if summary.replica_id in holders:  # every running replica holds it already
                     break
                 holders.append(summary.replica_id)
         finally:
-            self.progress.done += 1
+            if not again:
+                self.progress.done += 1
 
     async def _send(self, name: str, prompt: WarmupPrompt, avoid: tuple[str, ...],
                     ids: list[str]) -> EngineSummary | None:

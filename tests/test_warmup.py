@@ -77,7 +77,8 @@ def test_ready_answers_after_every_copy_is_prefilled_and_counted_apart(app, syst
     r = httpx.get(f"{app.base_url}/ready", timeout=30)
     assert r.status_code == 200, r.text
     warm = r.json()["warmup"]
-    assert (warm["state"], warm["done"], warm["total"], warm["failed"]) == ("done", 4, 4, [])
+    assert (warm["state"], warm["done"], warm["total"], warm["failed"], warm["short"]) == ("done", 4, 4, [], [])
+    assert warm["requests_done"] == sum(COPIES.values())
     for name, copies in COPIES.items():
         replicas = warm["prompts"][name]["replicas"]
         assert len(replicas) == copies and len(set(replicas)) == copies, warm["prompts"][name]

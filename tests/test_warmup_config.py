@@ -4,6 +4,7 @@ request looks like. The live warm-up is in ``tests/test_warmup.py``."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -74,3 +75,117 @@ def test_a_candidate_set_without_some_replicas_keeps_the_others_in_order():
     assert cs.without({"r2"}).uids == ("r1", "r3")
     assert cs.without(set()) is cs
     assert cs.without({"r1", "r2", "r3"}) is cs  # every replica avoided: the request still goes somewhere
+
+
+class _Serving:
+    """The ingress's preparer and dispatcher as the warm-up calls them, over a fleet of named replicas:
+    each warm request goes to the first running replica it does not avoid (the router's ``avoid_replicas``
+    rule), else to the first running one. A stand-in: the live path is in tests/test_warmup.py."""
+
+    def __init__(self, running: list[str]):
+        from types import SimpleNamespace
+
+        self.running = running
+        self.sent: list[tuple[str, ...]] = []
+        self.preparer = SimpleNamespace(prepare=self._prepare)
+        self.dispatcher = SimpleNamespace(answer=self._answer)
+
+    async def _prepare(self, kind, body, stream=False):
+        from array import array
+
+        from app.protocol import EngineRequest
+
+        return EngineRequest(request_id=f"cmpl-{len(self.sent)}", prompt_token_ids=array("I", [1, 2, 3]))
+
+    async def _answer(self, kind, ereq, span, deadline, summaries):
+        from app.protocol import EngineSummary
+
+        self.sent.append(ereq.avoid_replicas)
+        free = [r for r in self.running if r not in ereq.avoid_replicas] or self.running
+        summaries.append(EngineSummary(replica_id=free[0], prompt_tokens=3, cached_tokens=0))
+        yield "answer"
+
+
+def _warmup(serving, copies: list[int], live):
+    import asyncio
+
+    from app.warmup import Warmup
+
+    cfg = AppArgs.model_validate({"warmup": {"prompts": [{"name": f"p{i}", "prompt_token_ids": [1, 2, 3],
+                                                          "copies": c} for i, c in enumerate(copies)]}})
+
+    async def ready():
+        return True
+
+    async def running():
+        return set(live())
+
+    async def run():
+        w = Warmup(serving, cfg, ready, running)
+        w.start()
+        await w._task
+        return w.progress
+
+    return asyncio.run(run())
+
+
+def test_copies_go_to_distinct_replicas_and_stop_when_every_running_replica_holds_one():
+    serving = _Serving(["r1", "r2"])
+    progress = _warmup(serving, [2, 5], lambda: serving.running)
+    assert progress.detail()["prompts"]["p0"]["replicas"] == ["r1", "r2"]
+    assert progress.detail()["prompts"]["p1"]["replicas"] == ["r1", "r2"]  # 5 asked, 2 run: a third send ends it
+    assert (progress.done, progress.requests_done, progress.short, progress.failed) == (2, 5, [], [])
+    assert progress.prefill_tokens == 3 * 5
+
+
+def test_copies_on_a_replica_lost_during_the_warm_up_are_sent_again_elsewhere():
+    serving = _Serving(["r1", "r2"])
+
+    def live():  # r2 is gone by the end of the first pass; r3 replaced it
+        serving.running = ["r1", "r3"]
+        return serving.running
+
+    progress = _warmup(serving, [2, 1], live)
+    d = progress.detail()
+    assert d["prompts"]["p0"]["replicas"] == ["r1", "r3"]  # r2's copy warmed again on r3, never listed dead
+    assert d["prompts"]["p1"]["replicas"] == ["r1"]
+    assert (d["done"], d["total"], d["short"], d["failed"]) == (2, 2, [], [])
+    assert serving.sent[-1] == ("r1",)  # the repair avoided the live holder
+
+
+def test_a_prompt_left_with_fewer_live_copies_than_asked_is_named_short():
+    serving = _Serving(["r1", "r2", "r3"])
+    # After the first pass r2 is gone and r4 runs; the repair's copy goes to r4, which is gone by the end
+    # while r5 runs: three replicas run, two hold the prompt.
+    lost = iter([["r1", "r3", "r4"], ["r1", "r3", "r5"]])
+
+    def live():
+        serving.running = next(lost, serving.running)
+        return serving.running
+
+    progress = _warmup(serving, [3], live)
+    assert progress.detail()["prompts"]["p0"]["replicas"] == ["r1", "r3"]
+    assert (progress.short, progress.failed, progress.requests_done) == (["p0"], [], 4)
+
+
+def test_a_file_with_a_byte_order_mark_reads_and_a_file_that_is_not_utf8_or_empty_is_named(tmp_path):
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "x"}).encode() + b"\n")
+    assert [p.prompt for _, p in WarmupConfig(file=str(bom)).named()] == ["x"]
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "h\xff\xfe"}\n')
+    with pytest.raises(ValueError, match=rf"warmup.file {latin}: 'utf-8' codec can't decode"):
+        build_app({"warmup": {"file": str(latin)}})
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    with pytest.raises(ValueError, match=rf"warmup.file {empty}: no prompt in it"):
+        build_app({"warmup": {"file": str(empty)}})
+
+
+def test_blank_names_lax_ids_and_unbounded_copies_are_refused():
+    for bad, where in (({"name": "  ", "prompt": "x"}, "name"),
+                       ({"prompt_token_ids": [True, 1]}, "prompt_token_ids.0"),
+                       ({"prompt_token_ids": [1.0]}, "prompt_token_ids.0"),
+                       ({"prompt": "x", "copies": 1025}, "copies")):
+        with pytest.raises(ValueError, match=rf"warmup\.prompts\.0\.{re.escape(where)}"):
+            parse_app_args({"warmup": {"prompts": [bad]}})
