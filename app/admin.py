@@ -207,7 +207,8 @@ class AdminRoutes:
         once the engines can serve and every request router of this process is
         subscribed (every engine replica it knows loaded, warmed up, its KV-event
         snapshot applied) and the configured warm-up prompts are prefilled
-        (``app.warmup``; ``"warmup": {"state", "done", "total", "failed", "prefill_tokens"}``);
+        (``app.warmup``; ``"warmup": {"state", "done", "total", "requests_done", "failed", "short",
+        "prefill_tokens"}``, and per prompt its holders once done);
         otherwise 503 with an OpenAI error body (``ServiceUnavailableError``) whose message
         says what is missing (``warming up: 2 of 4 prompts done``, with ``"warmup"`` beside
         ``"error"``). Answers within about ``READY_ENGINE_TIMEOUT_S``; needs no API key.

@@ -102,8 +102,9 @@ class Dispatcher:
                 if isinstance(item, FirstOutput):
                     first_seen = True
                     tell_routers_first_token(ereq.route_id)
-                    if streaming and observe:
-                        metrics.TTFT_SECONDS.observe(now - started)
+                    if streaming:
+                        if observe:
+                            metrics.TTFT_SECONDS.observe(now - started)
                         span.set_attribute("prefix_serve.ttft_s", now - started)
                     item = item.data
                 elif isinstance(item, EngineSummary):
