@@ -208,7 +208,8 @@ class AdminRoutes:
         subscribed (every engine replica it knows loaded, warmed up, its KV-event
         snapshot applied) and the configured warm-up prompts are prefilled
         (``app.warmup``; ``"warmup": {"state", "done", "total", "requests_done", "failed", "short",
-        "prefill_tokens"}``, and per prompt its holders once done);
+        "prefill_tokens"}``, and per prompt its holders once done); with re-warm on, ``"rewarm": {"joins",
+        "leaves", "recent": [each join or leave: its replica, state, requests and prefill tokens]}``;
         otherwise 503 with an OpenAI error body (``ServiceUnavailableError``) whose message
         says what is missing (``warming up: 2 of 4 prompts done``, with ``"warmup"`` beside
         ``"error"``). Answers within about ``READY_ENGINE_TIMEOUT_S``; needs no API key.
@@ -227,9 +228,13 @@ class AdminRoutes:
         saying how far it got."""
         ready, detail = await self._router_readiness()
         warmup = getattr(self, "warmup", None)
-        if not ready or warmup is None or not warmup.progress.total:
+        if not ready or warmup is None:
             return ready, detail
         warmup.start()  # normally started with the replica; here if that found no running loop
+        if warmup.cfg.warmup.rewarm:
+            detail = {**detail, "rewarm": warmup.progress.rewarm_detail()}
+        if not warmup.progress.total:
+            return ready, detail
         progress = warmup.progress.detail()
         if not warmup.finished:
             return False, {"reason": f"warming up: {progress['done']} of {progress['total']} prompts done",

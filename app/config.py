@@ -284,6 +284,16 @@ class RouterConfig(_Strict):
                     "prefix hit in an engine's host-memory KV tier; default PCIe 4.0 x16 (routing.tiers)",
     )
 
+    hot_half_life_s: float = Field(
+        300.0, gt=0.0,
+        description="half-life in seconds of a prefix hit in the router's hot-prefix records, which rank what a "
+                    "joining replica is warmed with and what a leaving one hands on (routing.hot_prefixes)",
+    )
+    hot_prefixes_kept: int = Field(
+        256, ge=1,
+        description="prefixes the hot-prefix records keep (each holds a reference to its prompt's token ids)",
+    )
+
     def router_state(self, rng: random.Random | None = None, index: BlockIndex | None = None) -> RouterState:
         """A fresh ``routing.router_state.RouterState`` with these knobs.
 
@@ -459,6 +469,12 @@ class WarmupConfig(_Strict):
     prompts: list[WarmupPrompt] = Field(default_factory=list)
     file: str | None = Field(None, min_length=1, description="JSONL of WarmupPrompt objects (path as `model`)")
     concurrency: int = Field(4, ge=1, description="warm-up requests in flight at once")
+    rewarm: bool = Field(True, description="warm a joining engine replica before it takes its share of traffic, and "
+                                           "hand a leaving one's hot prefixes on to the survivors (app.warmup)")
+    rewarm_tokens: int | None = Field(None, ge=1, description="prompt tokens one join or leave warms at most "
+                                                              "(null: half an engine replica's GPU KV cache)")
+    join_timeout_s: float = Field(30.0, gt=0.0, description="a joining replica takes traffic after this long "
+                                                            "even if its warm-up has not finished")
 
     @field_validator("file")
     @classmethod

@@ -136,8 +136,10 @@ class Dispatcher:
         in the engine, and ``OpenAIError`` 504 is raised.
         """
         base_id = ereq.request_id
+        # A joining replica's warm request is for that replica only: not resent elsewhere when it goes.
+        attempts = 1 if ereq.warmup is not None and ereq.home_replica is not None else MAX_ATTEMPTS
         channel = self.inbox is not None and bool(getattr(ereq.body, "stream", False))
-        for attempt in range(1, MAX_ATTEMPTS + 1):
+        for attempt in range(1, attempts + 1):
             box = None
             if channel:
                 assert self.inbox is not None
@@ -151,7 +153,7 @@ class Dispatcher:
                 call.finished = True
                 return
             except BaseException as e:  # the engine call's boundary: a failure becomes the answer's end
-                failure = self._failure(e, call, attempt)
+                failure = self._failure(e, call, attempt == attempts)
             finally:
                 call.close()
                 if box is not None:
@@ -192,14 +194,14 @@ class Dispatcher:
             elif not pump.done():
                 pump.cancel()
 
-    def _failure(self, e: BaseException, call: _Call, attempt: int) -> Failed | None:
+    def _failure(self, e: BaseException, call: _Call, last: bool) -> Failed | None:
         """The answer for a call that raised ``e``: the deadline's 504, a lost replica's 503 once it cannot
         be resent, 500 for anything else; None to resend it. Re-raises a cancellation (a client gone)."""
         if call.expired and not isinstance(e, GeneratorExit) and not _caller_cancelled(e):
             return Failed.of_error(timeout_error(self.timeout_s))
         if not isinstance(e, Exception):
             raise e
-        if call.answered or attempt == MAX_ATTEMPTS or not caused_by_replica_loss(e):
+        if call.answered or last or not caused_by_replica_loss(e):
             return Failed.of_error(engine_failure(e))
         logger.warning("engine replica lost (%s)", type(e).__name__)
         return None

@@ -101,7 +101,8 @@ class OpenAIIngress(AdminRoutes):
             for status in results.STATUSES:
                 metrics.REQUESTS.labels(route=route, status=status)
         # The configured prefixes, prefilled once the router is ready; /ready waits for them (app.warmup).
-        self.warmup = Warmup(self.serving, self.args, self._router_ready, self._engine_replica_ids)
+        self.warmup = Warmup(self.serving, self.args, self._router_ready, self._engine_replica_ids,
+                             lambda: list(metrics.ROUTERS))
         try:
             self.warmup.start()
         except RuntimeError:  # no running loop in this constructor: the first /ready starts it

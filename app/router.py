@@ -44,13 +44,16 @@ from app.config import RouterConfig
 from app.protocol import EngineRequest
 from app.router_ranks import chosen_first, no_candidates
 from routing.block_keys import block_keys
+from routing.hot_prefixes import HotPrefixes, WarmPrompt
 from routing.relay_reader import RelayReader
+from routing.rewarm import LeaveJob, RewarmBook
 from routing.router_state import Candidate, CandidateSet, Routed, RouteRequest
 from routing.tiers import TIER_LABELS, Tier
 
 logger = logging.getLogger("prefix_serve.router")
 SNAPSHOT_WAIT_S = 2.0  # longest a request waits for the candidates' block snapshots (a router's first seconds)
 ASK_TIMEOUT_S = 5.0  # longest another thread waits for the router loop to answer
+DEFAULT_REWARM_TOKENS = 16384  # a join's or leave's warm tokens when no replica reports its cache size
 T = TypeVar("T")
 # Ray Serve pickles this module BY VALUE into every process that routes: keep shared state
 # (metrics, the router registry) in app.metrics and reach it through the module (``metrics.X``).
@@ -104,6 +107,10 @@ class PrefixAffinityRouter(RequestRouter):
         self._by_uid: dict[str, RunningReplica] = {}
         self._followed_list: list[RunningReplica] | None = None  # every replica of it has a feed
         self.caller_replica_id = _caller_replica_id()
+        # Joining replicas held back, leave plans, hot-prefix records (routing.rewarm; app.warmup acts on them).
+        self.rewarm = RewarmBook(HotPrefixes(self.cfg.hot_half_life_s, self.cfg.hot_prefixes_kept),
+                                 self.cfg.hot_prefixes_kept)
+        self._rewarm_tokens: int | None = None  # warmup.rewarm_tokens, from rewarm_watch
         metrics.ROUTERS.add(self)
 
     # ------------------------------------------------------------- the owner loop
@@ -197,6 +204,7 @@ class PrefixAffinityRouter(RequestRouter):
 
     def _update_state(self, replicas: list[RunningReplica]) -> None:
         live = {r.replica_id.unique_id for r in replicas}
+        self._rewarm_changed(live)  # before the index forgets a replica that left
         for gone in set(self.state.replicas) - live:
             self.state.unfollow(gone)
         for r in replicas:
@@ -205,7 +213,22 @@ class PrefixAffinityRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
         if hasattr(self, "state"):
-            self._own(self.state.unfollow, replica_id.unique_id)
+            self._own(self._replica_died, replica_id.unique_id)
+
+    def _replica_died(self, uid: str) -> None:
+        self._rewarm_changed(self.rewarm.known - {uid})
+        self.state.unfollow(uid)
+
+    def _rewarm_changed(self, live: set[str]) -> None:
+        """Tell the re-warm book the replica set (``routing.rewarm``): joins, and leave plans read from the index."""
+        if live == self.rewarm.known:
+            return
+        now = time.time()
+
+        def held(keys: Any, replicas: tuple[str, ...]) -> dict[str, int]:
+            return {r: end for r, (_, end) in self.state.index.match_tiers(keys, replicas, now).items()}
+
+        self.rewarm.changed(live, now, held, self._rewarm_budget())
 
     def _follow(self, r: RunningReplica) -> None:
         uid, stats = r.replica_id.unique_id, r.routing_stats or {}
@@ -272,8 +295,10 @@ class PrefixAffinityRouter(RequestRouter):
     def _home(self, home: RunningReplica, pending: PendingRequest,
               request: EngineRequest) -> list[list[RunningReplica]]:
         """``[[home]]``: a request naming a stored response goes to the replica holding it, and waits
-        there (Serve backs off) while that replica is full; recorded with the reason ``home``."""
-        self.state.note_fallback(pending.metadata.internal_request_id, "home", RouteRequest(
+        there (Serve backs off) while that replica is full; recorded with the reason ``home`` (a joining
+        replica's warm request, pinned to it the same way: ``warmup_join``)."""
+        reason = "home" if request.warmup is None else f"warmup_{request.warmup}"
+        self.state.note_fallback(pending.metadata.internal_request_id, reason, RouteRequest(
             (), len(request.prompt_token_ids), request.block_size or 1, request.prefill_tokens,
             request.bypass_cache, request.request_id), time.time(), time.time_ns())
         return [[home]]
@@ -304,6 +329,10 @@ class PrefixAffinityRouter(RequestRouter):
         views = self._candidate_set(candidates).with_adapter(request.lora_name, stats_keys.STAT_LORA_ADAPTERS)
         if request.avoid_replicas:  # a warm-up's next copy: elsewhere than its holders, while another runs
             views = views.without(request.avoid_replicas)
+        if self.rewarm.joining and request.warmup is None:  # joining replicas serve once warm (or all else is full)
+            held_back = self.rewarm.held_back(time.time())
+            if held_back:
+                views = views.without(held_back)
         stale_before = self.state.stale_fallbacks
         decision = self.state.choose(route_id, None if known else self._route_request(request, block_size),
                                      views, time.time(), start_ns)
@@ -367,14 +396,59 @@ class PrefixAffinityRouter(RequestRouter):
             metrics.PREDICTED_CACHED.labels(tier=TIER_LABELS[Tier.GPU]).inc(
                 routed.predicted_cached_tokens - routed.predicted_host_tokens)
             metrics.PREDICTED_CACHED.labels(tier=TIER_LABELS[Tier.HOST]).inc(routed.predicted_host_tokens)
-        extra = {"router_replica_id": self.caller_replica_id}
+        extra: dict[str, Any] = {"router_replica_id": self.caller_replica_id, "routed_at": now}
         if request.warmup is not None:
             extra["warmup"] = request.warmup
+        elif record.decision is not None and record.request is not None and routed.try_no == 1:
+            # (a retried try would count the blocks its own first try was predicted to add)
+            # A prefix hit, recorded for re-warm (routing.hot_prefixes): the request's own ids are its source.
+            bs = record.request.block_size
+            self.rewarm.hot.record(record.request.keys, routed.predicted_cached_tokens // bs, bs, now,
+                                   (request.prompt_token_ids, request.cache_salt, request.lora_name))
         d = self.state.record_decision(route_id, routed, now, extra)
         tracing.route_span(request.trace_headers, d, record.started_ns or None)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self._own(self.state.try_ended, internal_request_id, replica_id.unique_id, time.time())
+
+    # ------------------------------------------------------------- re-warm (app.warmup asks, on the owner loop)
+
+    def rewarm_watch(self, known: set[str], join_timeout_s: float, token_budget: int | None) -> None:
+        """Replicas that appear from now on join (held back until released); ``known``: those the warm-up
+        at start covered; ``token_budget``: tokens a join or leave warms at most (None: half a replica's
+        GPU cache)."""
+        self._rewarm_tokens = token_budget
+        self.rewarm.watch(known, set(self.state.replicas) | self.rewarm.known, join_timeout_s, time.time())
+
+    def rewarm_take(self) -> tuple[list[str], list[LeaveJob]]:
+        """The joins and leave plans not taken yet (``routing.rewarm.RewarmBook.take``)."""
+        return self.rewarm.take()
+
+    def rewarm_join_plan(self, configured: list[tuple[Any, str | None, str | None, str | None, str]]
+                         ) -> list[WarmPrompt]:
+        """A joining replica's plan: ``configured`` prompts, each ``(prompt token ids, cache_salt, lora_name,
+        lora_path, name)``, then the hottest prefixes within the token budget. Each ``WarmPrompt.source`` is
+        ``(token ids, cache_salt, lora_name)`` (a configured one's ids whole, ``tokens`` its full blocks)."""
+        bs = self.state.block_size or self._block_size(list(self.curr_replicas.values())) or self.cfg.block_size
+        if not bs:
+            return []
+        prompts = []
+        for ids, salt, lora_name, lora_path, _name in configured:
+            keys = tuple(block_keys(ids, bs, cache_salt=salt, lora_name=lora_name, lora_path=lora_path))
+            prompts.append(WarmPrompt(keys, len(keys) * bs, (ids, salt, lora_name), configured=True))
+        return self.rewarm.join_plan(prompts, time.time(), self._rewarm_budget())
+
+    def rewarm_release(self, uid: str) -> bool:
+        return self.rewarm.release(uid)
+
+    def _rewarm_budget(self) -> int:
+        """``warmup.rewarm_tokens``, else half the smallest GPU KV cache of the replicas listed (tokens)."""
+        if self._rewarm_tokens is not None:
+            return self._rewarm_tokens
+        bs = self.state.block_size or self.cfg.block_size or 16
+        caches = [int(b) for r in list(self.curr_replicas.values())
+                  if (b := (r.routing_stats or {}).get(stats_keys.STAT_NUM_GPU_BLOCKS))]
+        return (min(caches) - 1) * bs // 2 if caches else DEFAULT_REWARM_TOKENS
 
     # ---------------------------------------------------------------- introspection (on the owner loop)
 

@@ -24,6 +24,23 @@ a decision record with ``"warmup": "start"`` (``/debug/routing/decisions``), a s
 ingress replicas each warm the list: a prompt's copies after the first one find it cached
 (their prefill is a single token).
 
+**Re-warm** (``warmup.rewarm``, on by default), once the warm-up at start is done, through the
+request router's book (``routing.rewarm``; the router records each request's prefix hit in its
+hot-prefix records, ``routing.hot_prefixes``):
+
+- *join*: an engine replica that appears later (Serve scaled up, or replaced one) is held back by
+  the router: it takes no share of traffic (it does serve when every other replica is full) until
+  this warm-up has sent it its plan (the configured prompts, then the fleet's hottest prefixes by
+  recent hits x tokens, within ``rewarm_tokens``), each as token ids pinned to it
+  (``EngineRequest.home_replica``; never resent elsewhere), or ``join_timeout_s`` passed. The joins
+  are polled every ``POLL_S``; a plan stops when its replica goes;
+- *leave*: when a replica leaves the router's set (Serve drains it, or it died), the hot prefixes
+  it alone held (read from the index before its entries go) are sent through the router, which
+  places each on a survivor;
+- one request at a time per join or leave (the warm traffic takes one slot, not the engines);
+  each job is listed in ``/ready``'s ``"rewarm"`` detail (the newest ``RECENT_JOBS``) and its
+  requests counted with ``reason`` ``join`` or ``leave``.
+
 ``check(preparer, cfg)`` is the build-time check: a prompt that fails to render or does not fit
 the context (``max_model_len`` less the one output token) is a config error naming it.
 """
@@ -32,22 +49,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+import time
+import weakref
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from app import metrics, tracing
 from app.config import AppArgs, WarmupPrompt
 from app.prepare import CHAT, COMPLETION
 from app.protocol import EngineRequest, EngineSummary
 from app.results import Failed
+from routing.hot_prefixes import WarmPrompt
+from routing.rewarm import LeaveJob
 
 logger = logging.getLogger("prefix_serve.warmup")
 
 START = "start"
 """The ``reason`` of the warm-up at start (metrics label, decision record, span attribute)."""
+JOIN = "join"
+"""The ``reason`` of a joining replica's warm requests."""
+LEAVE = "leave"
+"""The ``reason`` of the warm requests that hand a leaving replica's hot prefixes on."""
 POLL_S = 0.5
-"""How often the warm-up asks whether the router is ready before it starts."""
+"""How often the warm-up asks whether the router is ready before it starts, and for joins and leaves after."""
+RECENT_JOBS = 16
+"""Re-warm jobs listed in ``/ready``'s ``"rewarm"`` detail (the newest)."""
 
 
 def request_body(prompt: WarmupPrompt, model: str) -> tuple[str, dict[str, Any]]:
@@ -89,6 +117,30 @@ PROMPTS_SHOWN = 64
 
 
 @dataclass
+class RewarmJob:
+    """One join or leave: ``reason`` (``join``/``leave``), the replica that joined or left, the prompts
+    ``planned``, ``state`` ``running``/``done``/``cancelled`` (a joining replica went), the warm requests
+    answered and failed, their request ids and prefill tokens, and when it started and ended (Unix s)."""
+
+    reason: str
+    replica_id: str
+    planned: int = 0
+    state: str = "running"
+    requests_done: int = 0
+    failed: int = 0
+    prefill_tokens: int = 0
+    request_ids: list[str] = field(default_factory=list)
+    started_at: float = field(default_factory=time.time)
+    ended_at: float | None = None
+
+    def detail(self) -> dict[str, Any]:
+        return {"reason": self.reason, "replica_id": self.replica_id, "planned": self.planned, "state": self.state,
+                "requests_done": self.requests_done, "failed": self.failed, "prefill_tokens": self.prefill_tokens,
+                "request_ids": list(self.request_ids[:PROMPTS_SHOWN]), "started_at": self.started_at,
+                "ended_at": self.ended_at}
+
+
+@dataclass
 class Progress:
     """Where the warm-up stands: ``state`` ``waiting`` (for the router), ``running`` or ``done``;
     ``done`` of ``total`` prompts tried, ``requests_done`` warm requests answered (copies count);
@@ -106,6 +158,8 @@ class Progress:
     short: list[str] = field(default_factory=list)
     prompts: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     prefill_tokens: int = 0
+    jobs: deque[RewarmJob] = field(default_factory=lambda: deque(maxlen=RECENT_JOBS))
+    jobs_started: dict[str, int] = field(default_factory=lambda: {JOIN: 0, LEAVE: 0})
 
     def detail(self) -> dict[str, Any]:
         """The readiness detail: the counts, and (once done, for at most ``PROMPTS_SHOWN`` prompts) each
@@ -117,6 +171,11 @@ class Progress:
             d["prompts"] = {name: {k: list(v) for k, v in p.items()} for name, p in self.prompts.items()}
         return d
 
+    def rewarm_detail(self) -> dict[str, Any]:
+        """``/ready``'s ``"rewarm"``: joins and leaves started, and the newest jobs (``RewarmJob.detail``)."""
+        return {"joins": self.jobs_started[JOIN], "leaves": self.jobs_started[LEAVE],
+                "recent": [j.detail() for j in self.jobs]}
+
 
 class Warmup:
     """One ingress replica's warm-up at start (see the module doc); all of it runs on the ingress's loop.
@@ -127,30 +186,36 @@ class Warmup:
         router_ready: ``await router_ready()`` is True once the request router can route (``/ready``
             without the warm-up).
         running_replicas: ``await running_replicas()`` is the set of engine replica ids Serve runs now.
+        routers: ``routers()`` lists this process's request routers (``app.router.PrefixAffinityRouter``),
+            whose re-warm books the joins and leaves come from.
     """
 
     def __init__(self, serving: Any, cfg: AppArgs, router_ready: Callable[[], Awaitable[bool]],
-                 running_replicas: Callable[[], Awaitable[set[str]]]):
+                 running_replicas: Callable[[], Awaitable[set[str]]],
+                 routers: Callable[[], Iterable[Any]] = tuple):
         self.serving = serving
         self.cfg = cfg
         self.prompts = cfg.warmup.named()
         self.router_ready = router_ready
         self.running_replicas = running_replicas
+        self.routers = routers
         self.progress = Progress(total=len(self.prompts), state="done" if not self.prompts else "waiting")
         self._task: asyncio.Task | None = None
+        self._jobs: set[asyncio.Task] = set()
 
     @property
     def finished(self) -> bool:
         return self.progress.state == "done"
 
     def start(self) -> None:
-        """Start the warm-up on the running loop (once; nothing to do without prompts)."""
-        if self._task is None and not self.finished:
+        """Start the warm-up on the running loop (once; nothing to do without prompts or re-warm)."""
+        if self._task is None and (self.prompts or self.cfg.warmup.rewarm):
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in [self._task, *self._jobs]:
+            if task is not None:
+                task.cancel()
 
     async def _run(self) -> None:
         while True:
@@ -160,6 +225,13 @@ class Warmup:
             except Exception:  # noqa: BLE001 - a probe that failed is a router not ready yet
                 logger.debug("warm-up: readiness probe failed", exc_info=True)
             await asyncio.sleep(POLL_S)
+        if self.prompts:
+            await self._warm_all()
+        if self.cfg.warmup.rewarm:
+            await self._follow_fleet()
+
+    async def _warm_all(self) -> None:
+        """The warm-up at start (see the module doc)."""
         self.progress.state = "running"
         logger.info("warm-up: %d prompts", len(self.prompts))
         gate = asyncio.Semaphore(self.cfg.warmup.concurrency)
@@ -197,14 +269,16 @@ class Warmup:
         """The copies of one prompt that ``holders`` (the replicas holding it) lack, one after another (each
         copy's placement needs the last one's)."""
         ids = self.progress.prompts.setdefault(name, {"replicas": holders, "request_ids": []})["request_ids"]
+        kind, body = request_body(prompt, self.cfg.served_model_name)
         try:
             while len(holders) < prompt.copies:
                 async with gate:
-                    summary = await self._send(name, prompt, tuple(holders), ids)
+                    summary = await self._send(name, START, kind, body, ids, avoid=tuple(holders))
                 if summary is None:
                     self.progress.failed.append(name)
                     break
                 self.progress.requests_done += 1
+                self.progress.prefill_tokens += max(0, summary.prompt_tokens - summary.cached_tokens)
                 if summary.replica_id in holders:  # every running replica holds it already
                     break
                 holders.append(summary.replica_id)
@@ -212,13 +286,119 @@ class Warmup:
             if not again:
                 self.progress.done += 1
 
-    async def _send(self, name: str, prompt: WarmupPrompt, avoid: tuple[str, ...],
-                    ids: list[str]) -> EngineSummary | None:
-        """One warm request (its id appended to ``ids``); its engine summary, or None (logged, counted)
-        if it failed."""
-        kind, body = request_body(prompt, self.cfg.served_model_name)
+    # ------------------------------------------------------------------ re-warm
+
+    async def _follow_fleet(self) -> None:
+        """Watch every router's re-warm book and run each join and leave it reports (see the module doc)."""
+        known = await self._running()
+        watched: weakref.WeakSet[Any] = weakref.WeakSet()
+        w = self.cfg.warmup
+        logger.info("re-warm: following joins and leaves (%d engine replicas now)", len(known))
+        while True:
+            for router in list(self.routers()):
+                try:
+                    if router not in watched:
+                        await router.ask(lambda r=router: r.rewarm_watch(known, w.join_timeout_s, w.rewarm_tokens))
+                        watched.add(router)
+                    joins, leaves = await router.ask(router.rewarm_take)
+                except Exception:  # noqa: BLE001 - a router busy or gone: asked again at the next poll
+                    logger.debug("re-warm: router did not answer", exc_info=True)
+                    continue
+                for uid in joins:
+                    self._spawn(self._join(router, uid))
+                for job in leaves:
+                    self._spawn(self._leave(job))
+            await asyncio.sleep(POLL_S)
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+
+    def _job(self, reason: str, uid: str) -> RewarmJob:
+        job = RewarmJob(reason, uid)
+        self.progress.jobs.append(job)
+        self.progress.jobs_started[reason] += 1
+        return job
+
+    async def _configured(self) -> list[tuple[Any, str | None, str | None, str | None, str]]:
+        """The configured prompts rendered now: ``(token ids, cache_salt, lora_name, lora_path, name)``."""
+        out = []
+        for name, prompt in self.prompts:
+            kind, body = request_body(prompt, self.cfg.served_model_name)
+            prepared = await self.serving.preparer.prepare(kind, body, stream=False)
+            if isinstance(prepared, Failed):
+                logger.warning("re-warm: prompt %r refused: %s", name, prepared.error.error.message)
+                continue
+            out.append((prepared.prompt_token_ids, prepared.cache_salt, prepared.lora_name, prepared.lora_path, name))
+        return out
+
+    async def _join(self, router: Any, uid: str) -> None:
+        """Warm the joining replica ``uid`` with its plan, one prompt at a time, then release it."""
+        job = self._job(JOIN, uid)
+        try:
+            configured = await self._configured()
+            plan: list[WarmPrompt] = await router.ask(lambda: router.rewarm_join_plan(configured))
+            job.planned = len(plan)
+            logger.info("re-warm: engine replica %s joined; warming %d prompts (%d tokens)", uid, len(plan),
+                        sum(w.tokens for w in plan))
+            for w in plan:
+                if uid not in await self._running():
+                    job.state = "cancelled"
+                    logger.info("re-warm: engine replica %s went during its warm-up", uid)
+                    break
+                await self._send_prefix(w, job, home=uid)
+            else:
+                job.state = "done"
+        except Exception:  # noqa: BLE001 - the replica is released all the same
+            logger.exception("re-warm of joining replica %s failed", uid)
+            job.state = "failed"
+        finally:
+            job.ended_at = time.time()
+            try:
+                await router.ask(lambda: router.rewarm_release(uid))
+            except Exception:  # noqa: BLE001 - the router releases it at join_timeout_s anyway
+                logger.warning("re-warm: could not release %s (released at its timeout)", uid, exc_info=True)
+
+    async def _leave(self, leave: LeaveJob) -> None:
+        """Send the hot prefixes only the leaving replica held through the router (to the survivors)."""
+        job = self._job(LEAVE, leave.replica_id)
+        job.planned = len(leave.plan)
+        logger.info("re-warm: engine replica %s left; handing on %d hot prefixes (%d tokens)", leave.replica_id,
+                    len(leave.plan), sum(w.tokens for w in leave.plan))
+        try:
+            for w in leave.plan:
+                await self._send_prefix(w, job)
+            job.state = "done"
+        except Exception:  # noqa: BLE001 - logged; the next leave is its own job
+            logger.exception("re-warm after replica %s left failed", leave.replica_id)
+            job.state = "failed"
+        finally:
+            job.ended_at = time.time()
+
+    async def _send_prefix(self, w: WarmPrompt, job: RewarmJob, home: str | None = None) -> None:
+        """One re-warm request: ``w``'s token ids (a configured prompt whole, a hot prefix's full blocks) as a
+        completion with ``max_tokens`` 1, pinned to ``home`` or placed by the router."""
+        ids, salt, lora_name = cast(tuple[Any, str | None, str | None], w.source)
+        n = len(ids) if w.configured else w.tokens
+        body: dict[str, Any] = {"model": lora_name or self.cfg.served_model_name, "prompt": list(ids[:n]),
+                                "max_tokens": 1, "temperature": 0.0, "stream": False}
+        if salt is not None:
+            body["cache_salt"] = salt
+        summary = await self._send(f"{job.reason} {job.replica_id}", job.reason, COMPLETION, body, job.request_ids,
+                                   home=home)
+        if summary is None:
+            job.failed += 1
+        else:
+            job.requests_done += 1
+            job.prefill_tokens += max(0, summary.prompt_tokens - summary.cached_tokens)
+
+    async def _send(self, name: str, reason: str, kind: str, body: dict[str, Any], ids: list[str],
+                    avoid: tuple[str, ...] = (), home: str | None = None) -> EngineSummary | None:
+        """One warm request (its id appended to ``ids``), placed elsewhere than ``avoid`` or pinned to
+        ``home``; its engine summary, or None (logged, counted) if it failed."""
         span = tracing.request_span("chat" if kind == CHAT else "text_completion", self.cfg.served_model_name, None)
-        span.set_attribute("prefix_serve.warmup", START)
+        span.set_attribute("prefix_serve.warmup", reason)
         outcome = "failed"
         summaries: list[EngineSummary] = []
         try:
@@ -228,7 +408,7 @@ class Warmup:
                     logger.warning("warm-up prompt %r refused: %s", name, prepared.error.error.message)
                     return None
                 ereq: EngineRequest = prepared
-                ereq.warmup, ereq.avoid_replicas = START, avoid
+                ereq.warmup, ereq.avoid_replicas, ereq.home_replica = reason, avoid, home
                 ids.append(ereq.request_id)
                 deadline = asyncio.get_running_loop().time() + self.cfg.lifecycle.request_timeout_s
                 async for item in self.serving.dispatcher.answer(kind, ereq, span, deadline, summaries):
@@ -239,12 +419,11 @@ class Warmup:
                 return None
             summary = summaries[-1]
             outcome = "ok"
-            prefill = max(0, summary.prompt_tokens - summary.cached_tokens)
-            self.progress.prefill_tokens += prefill
-            metrics.WARMUP_PREFILL_TOKENS.labels(reason=START).inc(prefill)
+            metrics.WARMUP_PREFILL_TOKENS.labels(reason=reason).inc(max(0, summary.prompt_tokens
+                                                                          - summary.cached_tokens))
             return summary
         except Exception:  # noqa: BLE001 - one prompt's failure must not end the others' warm-up
             logger.exception("warm-up prompt %r failed", name)
             return None
         finally:
-            metrics.WARMUP_REQUESTS.labels(reason=START, outcome=outcome).inc()
+            metrics.WARMUP_REQUESTS.labels(reason=reason, outcome=outcome).inc()

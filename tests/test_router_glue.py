@@ -367,3 +367,66 @@ async def test_a_replica_chosen_for_one_request_goes_to_that_request_not_the_old
     router._fulfill_next_pending_request(ranked[0][0], newer.metadata)  # what Serve does once "a" accepts
     assert newer.future.done() and newer.future.result().replica_id.unique_id == "a"
     assert not older.future.done()  # still waiting for its own home, "b"
+
+
+def ranked_ids(ranked) -> list[list[str]]:
+    return [[r.replica_id.unique_id for r in rank] for rank in ranked]
+
+
+@on_loop
+async def test_a_joining_replica_is_held_back_until_its_warm_up_releases_it(routers):
+    """Issue 35: a replica that appears after the warm-up at start is left out of a client request's
+    ranks but the last (Serve's whole list: it serves when every other replica is full); its own warm
+    requests are pinned to it and recorded as ``warmup_join``; once released it is routed to as any."""
+    router = routers(block_size=32)
+    a = replica("a", {"num_running": 6, "num_waiting": 0})
+    b = replica("b", {"num_running": 0, "num_waiting": 0})
+    router.update_replicas([a])
+    router.rewarm_watch({"a"}, 30.0, None)
+    router.update_replicas([a, b])
+    assert router.rewarm_take() == (["b"], [])
+    ranked = await router.choose_replicas([a, b], pending(engine_request(), "i-1"))
+    assert ranked_ids(ranked) == [["a"], ["a", "b"]]  # b, idle, would win on load: held back
+    warm = engine_request()
+    warm.warmup, warm.home_replica = "join", "b"
+    assert ranked_ids(await router.choose_replicas([a, b], pending(warm, "i-w"))) == [["b"]]
+    assert router.state.requests["i-w"].fallback == "warmup_join"
+    assert router.rewarm_release("b")
+    ranked = await router.choose_replicas([a, b], pending(engine_request(), "i-2"))
+    assert ranked_ids(ranked)[0] == ["b"]  # released: the idle replica wins on load
+
+
+@on_loop
+async def test_a_hit_is_recorded_and_a_leaving_replicas_own_hot_prefix_is_handed_on(routers):
+    """Issue 35: a routed request's predicted hit goes into the hot-prefix records with the request's
+    token ids; when the only replica holding that prefix leaves the router's set, its plan names the
+    prefix, read from the index before the replica's entries went."""
+    from routing.block_keys import block_keys
+
+    router = routers(block_size=32)
+    a, b = replica("a"), replica("b")
+    router.update_replicas([a, b])
+    router.rewarm_watch({"a", "b"}, 30.0, None)
+    request = engine_request(96)
+    keys = block_keys(request.prompt_token_ids, 32)
+    for uid in "ab":
+        router.state.index.add_replica(uid)  # followed (as their KV-event feeds make them)
+    assert router.state.index.load_snapshot("a", list(keys))  # a holds the prompt's 3 blocks
+    pend = pending(request, "i-1")
+    ranked = await router.choose_replicas([a, b], pend)
+    assert ranked[0][0].replica_id.unique_id == "a"
+    router.on_request_routed(pend, a.replica_id, ResultDone())
+    (hot,) = router.rewarm.hot.ranked(0.0)
+    # The predicted hit of a 96-token prompt: 2 blocks (vLLM computes the last token whatever it holds).
+    assert hot.tokens == 64 and hot.source[0] is request.prompt_token_ids
+    router.update_replicas([b])  # a leaves (Serve drains it)
+    assert "a" not in router.state.index.replicas()
+    joins, (job,) = router.rewarm_take()
+    assert joins == [] and job.replica_id == "a" and [w.keys for w in job.plan] == [tuple(keys[:2])]
+    # A warm request is not recorded as a hit (it would heat the prefix it warms).
+    warm = engine_request(96)
+    warm.warmup = "leave"
+    pend = pending(warm, "i-2")
+    await router.choose_replicas([b], pend)
+    router.on_request_routed(pend, b.replica_id, ResultDone())
+    assert len(router.rewarm.hot) == 1

@@ -111,8 +111,8 @@ def _warmup(serving, copies: list[int], live):
 
     from app.warmup import Warmup
 
-    cfg = AppArgs.model_validate({"warmup": {"prompts": [{"name": f"p{i}", "prompt_token_ids": [1, 2, 3],
-                                                          "copies": c} for i, c in enumerate(copies)]}})
+    cfg = AppArgs.model_validate({"warmup": {"rewarm": False, "prompts": [
+        {"name": f"p{i}", "prompt_token_ids": [1, 2, 3], "copies": c} for i, c in enumerate(copies)]}})
 
     async def ready():
         return True
@@ -189,3 +189,118 @@ def test_blank_names_lax_ids_and_unbounded_copies_are_refused():
                        ({"prompt": "x", "copies": 1025}, "copies")):
         with pytest.raises(ValueError, match=rf"warmup\.prompts\.0\.{re.escape(where)}"):
             parse_app_args({"warmup": {"prompts": [bad]}})
+
+
+class _Router:
+    """A request router's re-warm calls as the warm-up makes them (``app.router.PrefixAffinityRouter``'s
+    ``ask`` and ``rewarm_*``), over a scripted book: one join and one leave. A stand-in: the live path is
+    in tests/test_autoscaling.py, the router's own side in tests/test_router_glue.py."""
+
+    def __init__(self, plan, leave):
+        self.plan, self.leave = plan, leave
+        self.watched, self.released, self.taken = [], [], False
+
+    async def ask(self, fn):
+        return fn()
+
+    def rewarm_watch(self, known, join_timeout_s, token_budget):
+        self.watched.append((set(known), join_timeout_s, token_budget))
+
+    def rewarm_take(self):
+        if self.taken:
+            return [], []
+        self.taken = True
+        return ["joiner"], [self.leave]
+
+    def rewarm_join_plan(self, configured):
+        self.configured = configured
+        return self.plan
+
+    def rewarm_release(self, uid):
+        self.released.append(uid)
+        return True
+
+
+def _rewarm(serving, router, gone_after: int | None = None):
+    import asyncio
+
+    from app.warmup import Warmup
+
+    cfg = AppArgs.model_validate({"warmup": {"prompts": [{"name": "sys", "prompt_token_ids": [1, 2, 3]}],
+                                             "rewarm_tokens": 4096}})
+
+    async def ready():
+        return True
+
+    async def running():
+        if gone_after is not None and len(serving.sent) >= gone_after:
+            return {"r1"}
+        return {"r1", "joiner"}
+
+    async def run():
+        w = Warmup(serving, cfg, ready, running, lambda: [router])
+        w.start()
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if router.released and w.progress.jobs and all(j.state != "running" for j in w.progress.jobs):
+                break
+        w.stop()
+        return w.progress
+
+    return asyncio.run(run())
+
+
+def test_a_joiner_gets_its_plan_pinned_to_it_then_is_released_and_a_leave_goes_through_the_router():
+    from array import array
+
+    from routing.hot_prefixes import WarmPrompt
+    from routing.rewarm import LeaveJob
+
+    ids = array("I", range(100, 164))
+    plan = [WarmPrompt((1,), 16, (array("I", [1, 2, 3]), None, None), configured=True),
+            WarmPrompt((5, 6), 32, (ids, "tenant", None))]
+    leave = LeaveJob("gone", (WarmPrompt((9,), 16, (ids, None, None)),), 0.0)
+    serving, router = _ServingPinned(["r1", "joiner"]), _Router(plan, leave)
+    progress = _rewarm(serving, router)
+    assert router.watched == [({"r1", "joiner"}, 30.0, 4096)]
+    assert [c[-1] for c in router.configured] == ["sys"]  # the configured prompt, rendered for the plan
+    assert router.released == ["joiner"]
+    start, *rest = serving.bodies
+    join = [b for b in rest if b[0] == "join"]
+    assert [(home, body["prompt"], body.get("cache_salt")) for _, home, body in join] == [
+        ("joiner", [1, 2, 3], None), ("joiner", list(range(100, 132)), "tenant")]  # a hot prefix: its 2 blocks
+    assert [(home, body["prompt"]) for r, home, body in rest if r == "leave"] == [(None, list(range(100, 116)))]
+    jobs = {j.reason: j for j in progress.jobs}
+    assert (jobs["join"].state, jobs["join"].requests_done, jobs["leave"].state) == ("done", 2, "done")
+    assert progress.rewarm_detail()["joins"] == progress.rewarm_detail()["leaves"] == 1
+
+
+def test_a_join_stops_when_its_replica_goes_and_the_replica_is_released_all_the_same():
+    from array import array
+
+    from routing.hot_prefixes import WarmPrompt
+    from routing.rewarm import LeaveJob
+
+    ids = array("I", range(64))
+    plan = [WarmPrompt((i,), 16, (ids, None, None)) for i in range(4)]
+    serving, router = _ServingPinned(["r1", "joiner"]), _Router(plan, LeaveJob("x", (), 0.0))
+    progress = _rewarm(serving, router, gone_after=2)  # the start's request and one join request
+    (join,) = [j for j in progress.jobs if j.reason == "join"]
+    assert join.state == "cancelled" and join.requests_done == 1 and router.released == ["joiner"]
+
+
+class _ServingPinned(_Serving):
+    """``_Serving`` that also keeps each warm request's reason, pinned replica and body."""
+
+    def __init__(self, running):
+        super().__init__(running)
+        self.bodies = []
+
+    async def _prepare(self, kind, body, stream=False):
+        self.body = body
+        return await super()._prepare(kind, body, stream)
+
+    async def _answer(self, kind, ereq, span, deadline, summaries):
+        self.bodies.append((ereq.warmup, ereq.home_replica, self.body))
+        async for item in super()._answer(kind, ereq, span, deadline, summaries):
+            yield item
