@@ -290,8 +290,8 @@ class RouterConfig(_Strict):
                     "joining replica is warmed with and what a leaving one hands on (routing.hot_prefixes)",
     )
     hot_prefixes_kept: int = Field(
-        256, ge=1,
-        description="prefixes the hot-prefix records keep (each holds a reference to its prompt's token ids)",
+        256, ge=1, le=4096,
+        description="prefixes the hot-prefix records keep (each holds a copy of the token ids of its hit)",
     )
 
     def router_state(self, rng: random.Random | None = None, index: BlockIndex | None = None) -> RouterState:
@@ -473,8 +473,9 @@ class WarmupConfig(_Strict):
                                            "hand a leaving one's hot prefixes on to the survivors (app.warmup)")
     rewarm_tokens: int | None = Field(None, ge=1, description="prompt tokens one join or leave warms at most "
                                                               "(null: half an engine replica's GPU KV cache)")
-    join_timeout_s: float = Field(30.0, gt=0.0, description="a joining replica takes traffic after this long "
-                                                            "even if its warm-up has not finished")
+    join_timeout_s: float = Field(30.0, ge=1.0, le=3600.0,
+                                  description="a joining replica takes traffic after this long even if its warm-up "
+                                              "has not finished")
 
     @field_validator("file")
     @classmethod

@@ -217,6 +217,7 @@ class PrefixAffinityRouter(RequestRouter):
 
     def _replica_died(self, uid: str) -> None:
         self._rewarm_changed(self.rewarm.known - {uid})
+        self.rewarm.died(uid)
         self.state.unfollow(uid)
 
     def _rewarm_changed(self, live: set[str]) -> None:
@@ -270,6 +271,9 @@ class PrefixAffinityRouter(RequestRouter):
                 home = self._by_uid.get(request.home_replica)
                 if home is not None:
                     return self._home(home, pending_request, request)
+                if request.warmup is not None:  # a joiner's warm request, the joiner gone: not run elsewhere
+                    request.router_error = f"the engine replica this warm request is for ({request.home_replica}) left"
+                    return self._fallback(candidate_replicas, pending_request, request, "warm_home_gone")
                 metrics.FALLBACKS.labels(cause="home_gone").inc()  # routed as any other: vLLM's 404 there
             while True:  # a router's first seconds (or a replica just followed): not routed blind
                 if candidate_replicas is not self._followed_list:  # endpoints come with new stats: a new list
@@ -403,8 +407,10 @@ class PrefixAffinityRouter(RequestRouter):
             # (a retried try would count the blocks its own first try was predicted to add)
             # A prefix hit, recorded for re-warm (routing.hot_prefixes): the request's own ids are its source.
             bs = record.request.block_size
-            self.rewarm.hot.record(record.request.keys, routed.predicted_cached_tokens // bs, bs, now,
-                                   (request.prompt_token_ids, request.cache_salt, request.lora_name))
+            hit = routed.predicted_cached_tokens // bs
+            if hit:  # the source keeps the hit's ids only (a copy of them: not the whole prompt)
+                self.rewarm.hot.record(record.request.keys, hit, bs, now,
+                                       (request.prompt_token_ids[:hit * bs], request.cache_salt, request.lora_name))
         d = self.state.record_decision(route_id, routed, now, extra)
         tracing.route_span(request.trace_headers, d, record.started_ns or None)
 

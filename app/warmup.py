@@ -290,16 +290,21 @@ class Warmup:
 
     async def _follow_fleet(self) -> None:
         """Watch every router's re-warm book and run each join and leave it reports (see the module doc)."""
-        known = await self._running()
+        running = await self._running()
+        known: set[str] | None = running  # what the warm-up at start covered
         watched: weakref.WeakSet[Any] = weakref.WeakSet()
         w = self.cfg.warmup
-        logger.info("re-warm: following joins and leaves (%d engine replicas now)", len(known))
+        logger.info("re-warm: following joins and leaves (%d engine replicas now)", len(running))
         while True:
             for router in list(self.routers()):
                 try:
                     if router not in watched:
-                        await router.ask(lambda r=router: r.rewarm_watch(known, w.join_timeout_s, w.rewarm_tokens))
+                        # A router made later follows from the replicas running then (rewarm_watch acts once).
+                        seen = known if known is not None else await self._running()
+                        await router.ask(lambda r=router, s=seen: r.rewarm_watch(s, w.join_timeout_s,
+                                                                                 w.rewarm_tokens))
                         watched.add(router)
+                        known = None
                     joins, leaves = await router.ask(router.rewarm_take)
                 except Exception:  # noqa: BLE001 - a router busy or gone: asked again at the next poll
                     logger.debug("re-warm: router did not answer", exc_info=True)
@@ -387,7 +392,7 @@ class Warmup:
             body["cache_salt"] = salt
         summary = await self._send(f"{job.reason} {job.replica_id}", job.reason, COMPLETION, body, job.request_ids,
                                    home=home)
-        if summary is None:
+        if summary is None or (home is not None and summary.replica_id != home):
             job.failed += 1
         else:
             job.requests_done += 1

@@ -119,15 +119,26 @@ class HotPrefixes:
 
 def without_covered(prompts: Sequence[WarmPrompt]) -> list[WarmPrompt]:
     """``prompts`` in order, less those whose keys are a prefix of an earlier-or-later one's
-    (warming the longer one warms them).  Keys are chained, so a shorter prefix is covered
-    exactly when its last key appears in the longer one's keys at the same position."""
+    (warming the longer one warms them), and less repeats.  Keys are chained, so a shorter
+    prefix is covered exactly when its last key appears in a longer one's keys at the same
+    position.  Linear in the keys of all prompts (one dict of ``(position, key)``)."""
+    longest: dict[tuple[int, int], int] = {}  # (position, key) -> the longest prompt with that key there
+    for w in prompts:
+        n = len(w.keys)
+        for pos, key in enumerate(w.keys):
+            if longest.get((pos, key), 0) < n:
+                longest[(pos, key)] = n
     out: list[WarmPrompt] = []
-    for i, w in enumerate(prompts):
-        n, last = len(w.keys), w.keys[-1] if w.keys else None
-        covered = any(j != i and len(o.keys) > n and o.keys[n - 1] == last for j, o in enumerate(prompts))
-        dup = any(len(o.keys) == n and o.keys[-1] == last for o in out)
-        if not covered and not dup and n:
-            out.append(w)
+    seen: set[tuple[int, int]] = set()
+    for w in prompts:
+        n = len(w.keys)
+        if not n:
+            continue
+        at = (n - 1, w.keys[-1])
+        if longest[at] > n or at in seen:
+            continue
+        seen.add(at)
+        out.append(w)
     return out
 
 

@@ -23,12 +23,16 @@ by the router as it routes.  Pure and single-threaded like the rest of
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from routing.hot_prefixes import HotPrefixes, WarmPrompt, join_plan, leave_plan, without_covered
 
 __all__ = ["LeaveJob", "RewarmBook"]
+
+DEAD_KEPT = 1024
+"""Replicas reported dead that the book remembers (a later replica list that still names one is not a join)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +61,14 @@ class RewarmBook:
         self.joining: dict[str, float] = {}  # replica -> when its hold-back ends (seconds)
         self._new_joins: list[str] = []
         self._leaves: list[LeaveJob] = []
+        self._dead: OrderedDict[str, None] = OrderedDict()
 
     def watch(self, known: Collection[str], live: Collection[str], join_timeout_s: float, now: float) -> None:
-        """Start treating replicas that appear as joins.  ``known``: the replicas the warm-up at start
-        covered; ``live``: the router's replicas now (any not in ``known`` is a join already)."""
+        """Start treating replicas that appear as joins (once: a second call changes nothing).
+        ``known``: the replicas the warm-up at start covered; ``live``: the router's replicas now
+        (any not in ``known`` is a join already)."""
+        if self.watching:
+            return
         self.watching = True
         self.join_timeout_s = join_timeout_s
         self.known = set(live)
@@ -73,7 +81,7 @@ class RewarmBook:
         """The router's replicas are now ``live``: new ones join (when watching); for each one gone, the
         hot prefixes it alone held are queued, read with ``held(keys, replicas)`` (each replica's leading
         blocks of ``keys``, any tier) before the index forgets it, within ``token_budget`` tokens."""
-        live_set = set(live)
+        live_set = set(live) - self._dead.keys()
         gone, new = self.known - live_set, live_set - self.known
         self.known = live_set
         for uid in gone:
@@ -94,9 +102,16 @@ class RewarmBook:
             if plan:
                 self._leaves.append(LeaveJob(uid, tuple(plan), now))
 
+    def died(self, uid: str) -> None:
+        """``uid``'s actor died: a replica list that still names it later does not make it a join."""
+        self._dead[uid] = None
+        if len(self._dead) > DEAD_KEPT:
+            self._dead.popitem(last=False)
+
     def _join(self, uid: str, now: float) -> None:
         self.joining[uid] = now + self.join_timeout_s
-        self._new_joins.append(uid)
+        if uid not in self._new_joins:
+            self._new_joins.append(uid)
 
     def held_back(self, now: float) -> set[str]:
         """The joining replicas still held back at ``now`` (those past their time are released)."""
@@ -105,10 +120,11 @@ class RewarmBook:
         return set(self.joining)
 
     def take(self) -> tuple[list[str], list[LeaveJob]]:
-        """``(joins, leaves)`` not taken yet: the joining replicas, and the leave plans."""
+        """``(joins, leaves)`` not taken yet: the replicas that joined and are still here (warmed even
+        if their hold-back has ended meanwhile), and the leave plans."""
         joins, leaves = self._new_joins, self._leaves
         self._new_joins, self._leaves = [], []
-        return [u for u in joins if u in self.joining], leaves
+        return [u for u in joins if u in self.known], leaves
 
     def join_plan(self, configured: Sequence[WarmPrompt], now: float, token_budget: int) -> list[WarmPrompt]:
         """What a joining replica is warmed with: ``configured`` (all), then the hottest prefixes within

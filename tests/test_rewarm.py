@@ -105,3 +105,61 @@ def test_a_join_plan_is_the_configured_prompts_then_the_hottest_prefixes_not_cov
     assert plan[0].configured and not plan[1].configured
     plan = b.join_plan(configured, 2.0, token_budget=7 * BS)  # 3 + 4 blocks: the cool one does not fit
     assert [w.source for w in plan] == [("sys",), ("hot",)]
+
+
+def test_a_second_watch_changes_nothing_and_a_join_is_listed_once():
+    b = book()
+    b.watch({"a"}, {"a"}, 30.0, 0.0)
+    b.changed({"a", "b"}, 1.0, held_from({}), 10_000)
+    b.watch(set(), {"a", "b"}, 30.0, 2.0)  # a router's watch asked again (its first answer timed out)
+    assert b.take() == (["b"], [])
+    assert b.take() == ([], [])
+
+
+def test_a_join_whose_hold_back_ended_before_it_was_taken_is_still_warmed():
+    b = book()
+    b.watch(set(), set(), 1.0, 0.0)
+    b.changed({"a"}, 1.0, held_from({}), 10_000)
+    assert b.held_back(5.0) == set()  # client traffic found its hold-back over
+    assert b.take() == (["a"], [])  # warmed all the same (it serves meanwhile)
+    assert not b.release("a")
+
+
+def test_a_dead_replica_still_listed_is_no_join_and_no_second_leave():
+    b = book()
+    b.hot.record((1, 2), 2, BS, 0.0, source=None)
+    table = {"a": [1, 2]}
+    b.changed({"a", "b"}, 0.0, held_from(table), 10_000)
+    b.watch({"a", "b"}, {"a", "b"}, 30.0, 0.0)
+    b.changed({"b"}, 1.0, held_from(table), 10_000)  # a died: its leave
+    b.died("a")
+    b.changed({"a", "b"}, 2.0, held_from(table), 10_000)  # Serve's next list still names it
+    b.changed({"b"}, 3.0, held_from(table), 10_000)
+    joins, leaves = b.take()
+    assert joins == [] and [j.replica_id for j in leaves] == ["a"] and b.joining == {}
+
+
+def test_without_covered_matches_the_pairwise_rule_on_random_chains():
+    """The linear ``without_covered`` against the rule written pairwise: covered when a longer prompt
+    has the prompt's last key at the same position; a repeat (same length, same last key) kept once."""
+    import random
+
+    from routing.hot_prefixes import without_covered
+
+    def pairwise(prompts):
+        out = []
+        for i, w in enumerate(prompts):
+            n = len(w.keys)
+            if not n:
+                continue
+            covered = any(j != i and len(o.keys) > n and o.keys[n - 1] == w.keys[-1] for j, o in enumerate(prompts))
+            if not covered and not any(len(o.keys) == n and o.keys[-1] == w.keys[-1] for o in out):
+                out.append(w)
+        return out
+
+    rng = random.Random(7)
+    for _ in range(300):
+        roots = [tuple(rng.randrange(1 << 40) for _ in range(8)) for _ in range(3)]  # shared chains
+        prompts = [WarmPrompt(r[:rng.randrange(0, 9)], 0, i) for i, r in enumerate(rng.choice(roots)
+                                                                                for _ in range(rng.randrange(1, 12)))]
+        assert without_covered(prompts) == pairwise(prompts)

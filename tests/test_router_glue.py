@@ -394,6 +394,16 @@ async def test_a_joining_replica_is_held_back_until_its_warm_up_releases_it(rout
     assert router.rewarm_release("b")
     ranked = await router.choose_replicas([a, b], pending(engine_request(), "i-2"))
     assert ranked_ids(ranked)[0] == ["b"]  # released: the idle replica wins on load
+    # A joiner's warm request whose joiner has gone is not run elsewhere: the engine answers it with the error.
+    late = engine_request()
+    late.warmup, late.home_replica = "join", "gone"
+    await router.choose_replicas([a, b], pending(late, "i-late"))
+    assert router.state.requests["i-late"].fallback == "fallback_warm_home_gone"
+    assert late.router_error == "the engine replica this warm request is for (gone) left"
+    # A replica reported dead that Serve's next list still names is no join.
+    router.on_replica_actor_died(a.replica_id)
+    router.update_replicas([a, b])
+    assert router.rewarm_take() == ([], []) and router.rewarm.held_back(0.0) == set()
 
 
 @on_loop
@@ -418,7 +428,7 @@ async def test_a_hit_is_recorded_and_a_leaving_replicas_own_hot_prefix_is_handed
     router.on_request_routed(pend, a.replica_id, ResultDone())
     (hot,) = router.rewarm.hot.ranked(0.0)
     # The predicted hit of a 96-token prompt: 2 blocks (vLLM computes the last token whatever it holds).
-    assert hot.tokens == 64 and hot.source[0] is request.prompt_token_ids
+    assert hot.tokens == 64 and hot.source[0] == request.prompt_token_ids[:64]  # the hit's ids, not the prompt
     router.update_replicas([b])  # a leaves (Serve drains it)
     assert "a" not in router.state.index.replicas()
     joins, (job,) = router.rewarm_take()
