@@ -40,6 +40,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf/.nan knobs fail too
 
 
+KVCacheDType = Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+"""The KV-cache dtypes the engine config takes: those of vLLM's ``CacheDType``
+(``vllm/config/cache.py``) that a 4090 or the CPU build runs (the others are for MLA
+models, Gaudi or experimental quantizers)."""
+
+
 class EngineConfig(_Strict):
     """vLLM engine settings for every engine replica (passed to ``AsyncEngineArgs``)."""
 
@@ -53,6 +59,20 @@ class EngineConfig(_Strict):
         description="fraction of GPU memory for weights+KV (on the CPU build: of node memory)",
     )
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="pin the KV-cache size in blocks")
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1,
+        description="KV-cache bytes per GPU (on the CPU build: per engine), as vLLM's --kv-cache-memory-bytes; "
+                    "sizes the cache instead of gpu_memory_utilization. With kv_cache_dtype fp8 the same bytes "
+                    "hold twice the blocks",
+    )
+    kv_cache_dtype: KVCacheDType = Field(
+        "auto",
+        description="KV-cache element type, as vLLM's --kv-cache-dtype (auto: the model's dtype). fp8 "
+                    "(= fp8_e4m3) and fp8_e5m2 take one byte an element: twice the blocks in the same memory, "
+                    "on the GPU and in the host tier, and half the bytes a host-tier hit loads. Needs an fp8 "
+                    "KV path: Ada or newer GPUs; on the CPU build x86 with AVX-512 or AMX (vLLM's own error "
+                    "otherwise)",
+    )
     max_num_seqs: int = Field(64, ge=1, description="max requests batched per engine step")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="chunked-prefill token budget per step")
     enforce_eager: bool = Field(True, description="skip graph capture (CPU and quick starts)")
@@ -77,6 +97,9 @@ class EngineConfig(_Strict):
 
     @model_validator(mode="after")
     def _fits(self) -> EngineConfig:
+        if self.num_gpu_blocks_override is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("num_gpu_blocks_override and kv_cache_memory_bytes both size the KV cache: set one "
+                             "(null the other)")
         if self.num_gpu_blocks_override is not None:
             capacity = self.num_gpu_blocks_override * self.block_size
             if capacity < self.max_model_len:

@@ -31,9 +31,12 @@ def command(args: dict[str, Any], port: int, host: str = "127.0.0.1") -> list[st
            "--served-model-name", args["served_model_name"], "--host", host, "--port", str(port),
            "--block-size", str(engine["block_size"]), "--max-model-len", str(engine["max_model_len"]),
            "--gpu-memory-utilization", str(engine["gpu_memory_utilization"]),
-           "--num-gpu-blocks-override", str(engine["num_gpu_blocks_override"]),
            "--max-num-seqs", str(engine["max_num_seqs"]), "--enable-prefix-caching", "--enforce-eager",
-           "--seed", "0", "--enable-prompt-tokens-details"]
+           "--seed", "0", "--enable-prompt-tokens-details", "--kv-cache-dtype", engine.get("kv_cache_dtype", "auto")]
+    if engine.get("num_gpu_blocks_override") is not None:
+        cmd += ["--num-gpu-blocks-override", str(engine["num_gpu_blocks_override"])]
+    if engine.get("kv_cache_memory_bytes") is not None:
+        cmd += ["--kv-cache-memory-bytes", str(engine["kv_cache_memory_bytes"])]
     if serving.get("enable_auto_tool_choice"):
         cmd.append("--enable-auto-tool-choice")
     if serving.get("tool_call_parser"):

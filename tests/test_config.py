@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from app.config import AppArgs, RouterConfig, parse_app_args
+from bench import vllm_server
 from tests.conftest import REPO
 
 CONFIGS = [REPO / "serve_config.yaml", REPO / "infra" / "serve_config.4090.yaml"]
@@ -157,9 +158,46 @@ def test_the_cpu_build_refuses_the_host_tier_naming_the_key():
             parse_app_args({"engine": bad})
 
 
+def test_kv_cache_dtype_and_bytes_reach_vllm_and_fp8_halves_the_bytes_a_token():
+    """``engine.kv_cache_dtype`` and ``engine.kv_cache_memory_bytes`` are vLLM's own options (its
+    config takes each value); fp8 stores one byte an element, so the price of a host-loaded token
+    (``kv_bytes_per_token``) halves and the same bytes hold twice the blocks."""
+    import json
+    import typing
+
+    from vllm.config.cache import CacheDType
+
+    from app.config import KVCacheDType
+    from app.engine import kv_bytes_per_token
+    from app.frontend import engine_args
+
+    assert set(typing.get_args(KVCacheDType)) <= set(typing.get_args(CacheDType))  # vLLM still takes each
+    tiny = _app_entry(REPO / "serve_config.yaml")["args"]
+    hf = json.loads((REPO / "models" / "tiny-qwen2" / "config.json").read_text())
+    elements = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * hf["head_dim"]  # K and V, every layer
+    per_token = {}
+    for dtype, size in (("auto", 2), ("fp8", 1), ("fp8_e5m2", 1), ("bfloat16", 2)):
+        args = parse_app_args({**tiny, "engine": {**tiny["engine"], "kv_cache_dtype": dtype,
+                                                  "num_gpu_blocks_override": None, "kv_cache_memory_bytes": 1 << 24}})
+        ea = engine_args(args, kv_events_topic="kv@r")
+        assert (ea.kv_cache_dtype, ea.kv_cache_memory_bytes, ea.num_gpu_blocks_override) == (dtype, 1 << 24, None)
+        vllm_config = ea.create_engine_config()
+        assert vllm_config.cache_config.cache_dtype == dtype
+        per_token[dtype] = kv_bytes_per_token(vllm_config)
+        assert per_token[dtype] == elements * size
+    assert per_token["fp8"] * 2 == per_token["auto"]
+    cmd = vllm_server.command({**tiny, "engine": {**tiny["engine"], "kv_cache_dtype": "fp8",
+                                                  "num_gpu_blocks_override": None, "kv_cache_memory_bytes": 4096}}, 1)
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8" and "--num-gpu-blocks-override" not in cmd
+    assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == "4096"
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
+        ({"engine": {"kv_cache_dtype": "fp4"}}, "engine.kv_cache_dtype"),
+        ({"engine": {"kv_cache_memory_bytes": 0}}, "engine.kv_cache_memory_bytes"),
+        ({"engine": {"kv_cache_memory_bytes": 1 << 30, "num_gpu_blocks_override": 512}}, "set one"),
         ({"engine": {"blok_size": 32}}, "engine.blok_size"),
         ({"engine": {"block_size": 0}}, "engine.block_size"),
         ({"engine_replicas": {"num_replicas": 0, "num_cpus": 1}}, "engine_replicas.num_replicas"),

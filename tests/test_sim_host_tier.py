@@ -208,6 +208,26 @@ def test_cli_host_tier_option_and_report(tmp_path) -> None:
         main([*common, "--kv-offloading-size", "-1"])
 
 
+def test_fp8_kv_doubles_both_tiers_and_halves_a_host_load(tmp_path) -> None:
+    """``--kv-cache-dtype fp8``: one byte an element (vLLM's fp8 cache), so the memory of
+    ``--num-blocks`` fp16 blocks holds twice as many, the host tier too, and a host load or a
+    decode step's KV read moves half the bytes."""
+    from bench.sim.cli import _cluster, build_parser
+
+    common = ["--workload", "chat", "--preset", "4090-qwen2.5-7b-fp16", "--num-blocks", "300",
+              "--kv-offloading-size", "0.5"]
+    fp16, _ = _cluster(build_parser().parse_args(common))
+    fp8, info = _cluster(build_parser().parse_args([*common, "--kv-cache-dtype", "fp8"]))
+    assert (fp16.engine.num_blocks, fp8.engine.num_blocks) == (300, 600)
+    assert fp16.engine.host_blocks == int(0.5 * GIB) // (BS * 2 * 28 * 4 * 128 * 2) == 585
+    assert fp8.engine.host_blocks == int(0.5 * GIB) // (BS * 2 * 28 * 4 * 128 * 1) == 1170
+    assert info["kv_cache_dtype"] == "fp8" and info["num_blocks_per_replica"] == 600
+    assert fp8.latency.host_load_time(1000) == pytest.approx(fp16.latency.host_load_time(1000) / 2)
+    # Calibration is the preset's (fp16) and stays: only the KV bytes a decode step reads change.
+    assert fp8.latency.bandwidth_efficiency == fp16.latency.bandwidth_efficiency
+    assert fp8.latency.decode_step_time(1, 4000) < fp16.latency.decode_step_time(1, 4000)
+
+
 def test_tier_blind_variant_is_ours_with_pricing_off() -> None:
     assert list(POLICIES)[-2:] == ["prefix_affinity_tier_blind", "prefix_affinity"]
     reps = [Replica(i, EngineConfig(num_blocks=100, block_size=BS), LAT) for i in range(2)]

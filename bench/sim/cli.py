@@ -39,6 +39,10 @@ from bench.sim.workload import Workload
 
 __all__ = ["build_parser", "main", "run"]
 
+KV_ELEMENT_BYTES = {"auto": 0, "fp8": 1}
+"""Bytes of one cached K or V element per ``--kv-cache-dtype`` (0: the preset's own; vLLM's
+fp8 KV cache stores one byte, ``STR_DTYPE_TO_TORCH_DTYPE["fp8"]`` is ``uint8``)."""
+
 TRACE_MAX_MODEL_LEN = 131072
 """Context for traces unless ``--max-model-len``: Qwen2.5's 128k (YaRN) limit; Mooncake prompts reach 191k."""
 
@@ -63,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help=f"context length (preset: 32768; {TRACE_MAX_MODEL_LEN} for --trace)")
     ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica (default: derived from VRAM)")
+    ap.add_argument("--kv-cache-dtype", choices=sorted(KV_ELEMENT_BYTES), default="auto",
+                    help="KV-cache element type, as vLLM's --kv-cache-dtype: auto = the preset's (fp16); fp8 "
+                         "stores one byte an element, so the same memory holds twice the blocks on the GPU "
+                         "(--num-blocks counts them at the preset's dtype) and in the host tier, and a decode "
+                         "step and a host load move half the KV bytes")
     ap.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
                     help="host-memory KV tier per replica in GiB, as vLLM's --kv-offloading-size (0: none)")
     ap.add_argument("--placeholder-host-events", action="store_true",
@@ -179,6 +188,10 @@ def _cluster(args: argparse.Namespace) -> tuple[ClusterConfig, dict[str, Any]]:
         decode_step_s=args.decode_step_ms / 1000 if args.decode_step_ms else None,
         step_overhead_s=args.step_overhead_ms / 1000 if args.step_overhead_ms else None,
     )
+    # The KV dtype changes after calibration: the measured figures are the preset's (fp16 KV).
+    elem = KV_ELEMENT_BYTES[args.kv_cache_dtype] or latency.model.kv_bytes_per_elem
+    num_blocks = num_blocks * latency.model.kv_bytes_per_elem // elem  # the same bytes, smaller blocks
+    latency = replace(latency, model=replace(latency.model, kv_bytes_per_elem=elem))
     if not args.kv_offloading_size >= 0:
         raise SystemExit(f"--kv-offloading-size must be >= 0 GiB, got {args.kv_offloading_size}")
     # vLLM's native backend: cpu_bytes_to_use = kv_offloading_size * 2**30, one engine block a chunk.
@@ -209,6 +222,7 @@ def _cluster(args: argparse.Namespace) -> tuple[ClusterConfig, dict[str, Any]]:
         "block_size": bs,
         "num_blocks_per_replica": num_blocks,
         "kv_cache_tokens_per_replica": (num_blocks - 1) * bs,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "kv_offloading_size_gib": args.kv_offloading_size,
         "host_blocks_per_replica": host_blocks,
         "host_link_bytes_per_s": round(latency.gpu.host_link_bandwidth * latency.host_link_efficiency),
@@ -265,6 +279,7 @@ def _earlier(path: str, info: dict[str, Any], wl: Workload) -> dict[str, Any]:
         raise SystemExit(f"--update {path}: {exc}") from None
     mine = {k: v for k, v in info.items() if k != "router"}
     theirs = {k: v for k, v in old.get("config", {}).items() if k != "router"}
+    theirs.setdefault("kv_cache_dtype", "auto")  # reports from before --kv-cache-dtype
     if mine != theirs:
         diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
         raise SystemExit(f"--update {path}: made with other options ({', '.join(diff)} differ)")
