@@ -196,6 +196,28 @@ def test_sweep_writes_a_report_per_point_and_a_figure(tmp_path, capsys):
             sweep_main(args[:7] + [bad] + args[8:])
 
 
+def test_sweep_over_kv_dtypes_names_each_report_and_column(tmp_path, capsys):
+    from bench.sim.sweep import main as sweep_main
+    from bench.sim.sweep import report_path
+
+    args = ["--workload", "chat", "--num-requests", "60", "--policies", "round_robin,prefix_affinity",
+            "--rates", "1", "--presets", "4090-qwen2.5-7b-fp16", "--num-blocks", "300", "--out", str(tmp_path),
+            "--no-progress", "--kv-cache-dtypes", "auto,fp8"]
+    assert sweep_main(args) == 0
+    auto, fp8 = (json.loads(report_path(tmp_path, "chat", "4090-qwen2.5-7b-fp16", 1.0, None, d).read_text())
+                 for d in ("auto", "fp8"))
+    assert report_path(tmp_path, "chat", "4090-qwen2.5-7b-fp16", 1.0, None, "fp8").name == "chat_fp16_fp8_x1.json"
+    assert (auto["config"]["kv_cache_dtype"], fp8["config"]["kv_cache_dtype"]) == ("auto", "fp8")
+    assert (auto["config"]["num_blocks_per_replica"], fp8["config"]["num_blocks_per_replica"]) == (300, 600)
+    table = capsys.readouterr().out
+    assert table.count("| chat | fp16 |") == 1 and table.count("| chat | fp16, fp8 KV |") == 1
+    for bad in ("fp4", ","):
+        with pytest.raises(SystemExit, match="--kv-cache-dtypes"):
+            sweep_main(args[:-1] + [bad])
+    with pytest.raises(SystemExit, match="--kv-cache-dtype is set by the sweep"):
+        sweep_main(args + ["--kv-cache-dtype", "fp8"])
+
+
 def test_decisions_are_saved_per_request_and_compared(tmp_path):
     """bench.sim.decisions: the same options give identical files (exit 0), another seed another file (1)."""
     from bench.sim import decisions

@@ -102,6 +102,8 @@ def summary_table(reports: list[dict[str, Any]]) -> str:
         bh, bp = a["best_hit_policy"], a["best_p90_policy"]
         c = rep["config"]
         preset = c.get("preset", "").replace("4090-qwen2.5-7b-", "")
+        if c.get("kv_cache_dtype", "auto") != "auto":
+            preset += f", {c['kv_cache_dtype']} KV"
         verdict = {True: "met", False: "**not met**", None: "no round_robin run"}[a["met"]]
         rr = f"{acc['rr_p50_s']:.2f}" if "rr_p50_s" in acc else ""
         host = c.get("kv_offloading_size_gib") or 0

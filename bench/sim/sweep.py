@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.sim.cli import build_parser, run
+from bench.sim.cli import KV_ELEMENT_BYTES, build_parser, run
 from bench.sim.latency import PRESETS
 from bench.sim.report import summary_table
 
@@ -50,18 +50,21 @@ def _short(preset: str) -> str:
     return preset.replace("4090-qwen2.5-7b-", "")
 
 
-def report_path(out: Path, workload: str, preset: str, rate: float, host_gib: float | None = None) -> Path:
-    """Where the sweep keeps one point's report (``host_gib``: its host tier, when the sweep varies it)."""
+def report_path(out: Path, workload: str, preset: str, rate: float, host_gib: float | None = None,
+                kv_dtype: str = "auto") -> Path:
+    """Where the sweep keeps one point's report (``host_gib``: its host tier, when the sweep varies it;
+    ``kv_dtype``: its KV-cache dtype, named unless ``auto``)."""
     host = "" if host_gib is None else f"_h{host_gib:g}"
-    return out / f"{workload}_{_short(preset)}{host}_x{rate:g}.json"
+    dtype = "" if kv_dtype == "auto" else f"_{kv_dtype}"
+    return out / f"{workload}_{_short(preset)}{dtype}{host}_x{rate:g}.json"
 
 
 def _host_gib(report: dict[str, Any]) -> float:
     return float(report["config"].get("kv_offloading_size_gib") or 0.0)
 
 
-def _column(report: dict[str, Any]) -> tuple[str, float]:
-    return report["config"]["preset"], _host_gib(report)
+def _column(report: dict[str, Any]) -> tuple[str, str, float]:
+    return report["config"]["preset"], report["config"].get("kv_cache_dtype", "auto"), _host_gib(report)
 
 
 def _workload_name(args: argparse.Namespace) -> str:
@@ -78,8 +81,9 @@ def plot_sweep(reports: list[dict[str, Any]], path: str | Path, title: str) -> N
     columns = sorted({_column(r) for r in reports})
     fig, axes = plt.subplots(2, len(columns), figsize=(5.2 * len(columns), 7.5), squeeze=False, sharey="row")
     cmap = plt.get_cmap("tab10")
-    for col, (pre, host) in enumerate(columns):
-        reps = sorted((r for r in reports if _column(r) == (pre, host)), key=lambda r: r["config"]["rate_scale"])
+    for col, (pre, dtype, host) in enumerate(columns):
+        reps = sorted((r for r in reports if _column(r) == (pre, dtype, host)),
+                      key=lambda r: r["config"]["rate_scale"])
         rates = [r["config"]["rate_scale"] for r in reps]
         names = list(reps[0]["policies"])
         ax_hit, ax_p90 = axes[0][col], axes[1][col]
@@ -97,7 +101,7 @@ def plot_sweep(reports: list[dict[str, Any]], path: str | Path, title: str) -> N
             if all(y is not None for y in ys):
                 ax_hit.plot(rates, [y * 100 for y in ys], color="crimson", linestyle=ls, linewidth=1.0, label=label)
         blocks = reps[0]["config"].get("num_blocks_per_replica")
-        tier = f", host {host:g} GiB" if host else ""
+        tier = (f", {dtype} KV" if dtype != "auto" else "") + (f", host {host:g} GiB" if host else "")
         ax_hit.set_title(f"{_short(pre)} ({blocks} GPU blocks a replica{tier}): hit rate", fontsize=9)
         ax_hit.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
         ax_p90.set_title(f"{_short(pre)}{tier}: p90 TTFT", fontsize=9)
@@ -116,7 +120,9 @@ def plot_sweep(reports: list[dict[str, Any]], path: str | Path, title: str) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
+    # No abbreviations: --kv-cache-dtype (a bench.sim option) would be read as --kv-cache-dtypes.
     ap = argparse.ArgumentParser(prog="python -m bench.sim.sweep", description=__doc__.splitlines()[0],
+                                 allow_abbrev=False,
                                  epilog="Every other option (--seed, --jobs, --policies, --num-blocks, ...) is passed "
                                         "to each python -m bench.sim run; see its --help.")
     src = ap.add_mutually_exclusive_group(required=True)
@@ -127,12 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-offloading-sizes", default=None, metavar="GIB,...",
                     help="comma list of host-memory KV tier sizes per replica in GiB (0: none); "
                          "default: no tier, and no size in the report names")
+    ap.add_argument("--kv-cache-dtypes", default="auto", metavar="DTYPE,...",
+                    help="comma list of KV-cache dtypes (auto,fp8; see python -m bench.sim --kv-cache-dtype); "
+                         "a dtype other than auto is named in the report names")
     ap.add_argument("--out", required=True, help="folder of the reports and the figure")
     ap.add_argument("--force", action="store_true", help="re-run points whose report exists")
     ap.add_argument("--update", action="store_true",
                     help="re-run only --policies into the existing reports (python -m bench.sim --update)")
     args, rest = ap.parse_known_args(argv)
-    for flag in ("--rate-scale", "--preset", "--json", "--plot", "--update", "--kv-offloading-size"):
+    for flag in ("--rate-scale", "--preset", "--json", "--plot", "--update", "--kv-offloading-size",
+                 "--kv-cache-dtype"):
         if any(a == flag or a.startswith(flag + "=") for a in rest):
             raise SystemExit(f"{flag} is set by the sweep itself")
     try:
@@ -150,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes or any(x is not None and not (math.isfinite(x) and x >= 0) for x in sizes):
         raise SystemExit(f"--kv-offloading-sizes must be finite GiB >= 0: {args.kv_offloading_sizes!r}")
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    dtypes = list(dict.fromkeys(d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()))
+    if not dtypes or any(d not in KV_ELEMENT_BYTES for d in dtypes):
+        raise SystemExit(f"--kv-cache-dtypes must be a comma list of {', '.join(KV_ELEMENT_BYTES)}")
     unknown = [p for p in presets if p not in PRESETS]
     if unknown or not presets or not rates or min(rates) <= 0:
         raise SystemExit(f"--presets must be of {', '.join(sorted(PRESETS))} and --rates positive")
@@ -159,12 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     name = None
     reports = []
     t0 = time.perf_counter()
-    points = [(pre, host, rate) for pre in presets for host in sizes for rate in rates]
-    for pre, host, rate in points:
+    points = [(pre, dtype, host, rate) for pre in presets for dtype in dtypes for host in sizes for rate in rates]
+    for pre, dtype, host, rate in points:
         tier = [] if host is None else ["--kv-offloading-size", f"{host:g}"]
-        sim_args = build_parser().parse_args([*source, *rest, *tier, "--preset", pre, "--rate-scale", f"{rate:g}"])
+        sim_args = build_parser().parse_args([*source, *rest, *tier, "--kv-cache-dtype", dtype, "--preset", pre,
+                                              "--rate-scale", f"{rate:g}"])
         name = name or _workload_name(sim_args)
-        path = report_path(out, name, pre, rate, host)
+        path = report_path(out, name, pre, rate, host, dtype)
         if args.update:
             if not path.exists():
                 raise SystemExit(f"--update: no report at {path}; run the sweep without it first")
@@ -173,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[sweep] keeping {path}", file=sys.stderr, flush=True)
             reports.append(json.loads(path.read_text(encoding="utf-8")))
             continue
-        print(f"[sweep] {name} {_short(pre)}{'' if host is None else f' host {host:g} GiB'} x{rate:g} "
+        print(f"[sweep] {name} {_short(pre)}{'' if dtype == 'auto' else f' {dtype} KV'}"
+              f"{'' if host is None else f' host {host:g} GiB'} x{rate:g} "
               f"({len(reports) + 1}/{len(points)}, {time.perf_counter() - t0:.0f} s so far)",
               file=sys.stderr, flush=True)
         rep = run(sim_args)
@@ -183,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         reports.append(rep)
     assert name is not None  # presets and rates are not empty
     # The figure and the table cover every report of this workload in OUT (other presets too).
-    done = {path.resolve() for path in (report_path(out, name, p, r, h) for p, h, r in points)}
+    done = {path.resolve() for path in (report_path(out, name, p, r, h, d) for p, d, h, r in points)}
     for path in sorted(out.glob(f"{name}_*_x*.json")):
         if path.resolve() not in done:
             reports.append(json.loads(path.read_text(encoding="utf-8")))
