@@ -86,6 +86,16 @@ class EngineConfig(_Strict):
     kv_offloading_backend: Literal["native", "lmcache"] = Field(
         "native", description="vLLM's --kv-offloading-backend; 'native' publishes the tier's KV events",
     )
+    kv_offloading_store_threshold: int = Field(
+        0, ge=0, le=1024,
+        description="host-tier admission, vLLM's store_threshold: a block is copied to host memory once it has "
+                    "been offered this many times (each request that computes it or, loading nothing from the "
+                    "tier, hits it on the GPU offers it once); below 2: every block. Native backend only",
+    )
+    kv_offloading_eviction_policy: Literal["lru", "arc"] = Field(
+        "lru", description="host-tier eviction, vLLM's eviction_policy: lru, or arc (adaptive replacement: blocks "
+                           "reused since their store outlive blocks stored once). Native backend only",
+    )
     kv_offloading_blocks_per_chunk: int = Field(
         1, ge=1, le=1024,
         description="engine blocks per offloaded chunk (the native connector's blocks_per_chunk); a chunk is "
@@ -97,6 +107,11 @@ class EngineConfig(_Strict):
 
     @model_validator(mode="after")
     def _fits(self) -> EngineConfig:
+        tuned = [k for k, default in (("kv_offloading_store_threshold", 0), ("kv_offloading_eviction_policy", "lru"))
+                 if getattr(self, k) != default]
+        if tuned and (self.kv_offloading_size is None or self.kv_offloading_backend != "native"):
+            raise ValueError(f"{', '.join(tuned)} tune vLLM's native host tier: set kv_offloading_size "
+                             "(kv_offloading_backend: native)")
         if self.num_gpu_blocks_override is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("num_gpu_blocks_override and kv_cache_memory_bytes both size the KV cache: set one "
                              "(null the other)")

@@ -68,7 +68,9 @@ def engine_args(cfg: AppArgs, kv_events_topic: str | None = None, otlp_traces_en
             from vllm.config import KVTransferConfig
 
             offload["kv_transfer_config"] = KVTransferConfig(kv_connector_extra_config={
-                "self_describing_kv_events": True, "blocks_per_chunk": engine.kv_offloading_blocks_per_chunk})
+                "self_describing_kv_events": True, "blocks_per_chunk": engine.kv_offloading_blocks_per_chunk,
+                "store_threshold": engine.kv_offloading_store_threshold,
+                "eviction_policy": engine.kv_offloading_eviction_policy})
     return AsyncEngineArgs(
         model=cfg.resolved_model(),
         tokenizer=cfg.resolved_tokenizer(),

@@ -110,17 +110,21 @@ def test_4090_configs_turn_the_host_tier_on_and_pass_it_to_vllm():
     # What the engine replica passes to vLLM (the tiny local model: engine args resolve the model).
     tiny = _app_entry(REPO / "serve_config.yaml")["args"]
     tiny = parse_app_args({**tiny, "engine": {**tiny["engine"], "kv_offloading_size": 32,
-                                              "kv_offloading_blocks_per_chunk": 4}})
+                                              "kv_offloading_blocks_per_chunk": 4, "kv_offloading_store_threshold": 2,
+                                              "kv_offloading_eviction_policy": "arc"}})
     ea = engine_args(tiny, kv_events_topic="kv@r")
     assert (ea.kv_offloading_size, ea.kv_offloading_backend) == (32, "native")
-    assert ea.kv_transfer_config.kv_connector_extra_config == {"self_describing_kv_events": True,
-                                                               "blocks_per_chunk": 4}
+    ours = {"self_describing_kv_events": True, "blocks_per_chunk": 4, "store_threshold": 2, "eviction_policy": "arc"}
+    assert ea.kv_transfer_config.kv_connector_extra_config == ours
     # vLLM's own config takes them: its native connector, our event options, the tier's bytes.
     vllm_config = ea.create_engine_config()
     transfer = vllm_config.kv_transfer_config
     assert (transfer.kv_connector, transfer.kv_role) == ("OffloadingConnector", "kv_both")
-    assert transfer.kv_connector_extra_config == {"self_describing_kv_events": True, "blocks_per_chunk": 4,
-                                                  "cpu_bytes_to_use": 32 * 2**30}
+    assert transfer.kv_connector_extra_config == {**ours, "cpu_bytes_to_use": 32 * 2**30}
+    # vLLM's CPU offloading spec reads both keys from there (vllm/v1/kv_offload/cpu/spec.py) and knows the policy.
+    from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+
+    assert CachePolicyFactory.get_cache_policy_cls("arc", None).__name__ == "ARCCachePolicy"
     # KV bytes a token (what the engine reports to price a host hit), from the model's own config.json.
     import json
 
@@ -152,6 +156,11 @@ def test_the_cpu_build_refuses_the_host_tier_naming_the_key():
     with pytest.raises(ValueError, match="engine.kv_offloading_size"):
         build_app(_app_entry(REPO / "infra" / "serve_config.4090.yaml")["args"])
     for bad, needle in (({"kv_offloading_size": 0}, "engine.kv_offloading_size"),
+                        ({"kv_offloading_store_threshold": 2}, "kv_offloading_store_threshold tune"),
+                        ({"kv_offloading_eviction_policy": "arc"}, "kv_offloading_eviction_policy tune"),
+                        ({"kv_offloading_eviction_policy": "fifo"}, "engine.kv_offloading_eviction_policy"),
+                        ({"kv_offloading_size": 1, "kv_offloading_backend": "lmcache",
+                          "kv_offloading_store_threshold": 3}, "kv_offloading_store_threshold tune"),
                         ({"kv_offloading_backend": "disk"}, "engine.kv_offloading_backend"),
                         ({"kv_offloading_blocks_per_chunk": 0}, "engine.kv_offloading_blocks_per_chunk")):
         with pytest.raises(ValueError, match=needle.replace(".", r"\.")):

@@ -19,7 +19,7 @@ from bench.sim.policies import POLICIES, DynamoPolicy, LlmDPolicy, RouterContext
 from bench.sim.replica import EngineConfig, Replica, ReqState
 from bench.sim.workload import SimRequest
 from routing.block_keys import block_keys
-from routing.events import BlockRemoved, BlockStored
+from routing.events import BlockStored
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # ray.serve import noise
 
@@ -59,23 +59,93 @@ def run(rep: Replica, st: ReqState, now: float = 0.0) -> float:
     return now
 
 
-def test_host_tier_is_an_lru_of_the_blocks_computed() -> None:
+def test_host_tier_is_an_lru_of_the_blocks_offered_first_blocks_most_recent() -> None:
+    """vLLM's LRU policy, with a request's accesses applied tail first (``on_request_finished``)."""
     host = HostTier(4, BS)
     events: list = []
     host.store([1, 2, 3], None, list(range(3 * BS)), None, events)
-    host.store([3, 4, 5], 2, list(range(3 * BS)), None, events)  # 3 again: used, not stored
-    assert list(host.blocks) == [2, 3, 4, 5] and host.evictions == 1
-    assert host.run([2, 3, 4, 9], 0, 4) == 3 and host.run([2, 3, 4], 1, 2) == 1
-    host.load([2])
-    assert list(host.blocks) == [3, 4, 5, 2]
-    stored = [e for e in events if isinstance(e, BlockStored)]
-    assert [(e.block_hashes, e.parent_block_hash, e.medium, len(e.token_ids)) for e in stored] == [
-        ([1, 2, 3], None, "CPU", 3 * BS), ([4, 5], 3, "CPU", 2 * BS)]
-    assert [(e.block_hashes, e.medium) for e in events if isinstance(e, BlockRemoved)] == [([1], "CPU")]
+    assert host.blocks == [3, 2, 1]  # the first block ends most recent
+    # 3 again (reused) and 4, 5 new: one must go, not one of this offer's (3): 2, the least recent.
+    host.store([3, 4, 5], 2, list(range(3 * BS)), None, events)
+    assert host.blocks == [1, 5, 4, 3] and host.evictions == 1 and host.stores == 5
+    assert host.run([3, 4, 5, 9], 0, 4) == 3 and host.run([1, 2], 0, 2) == 1
+    host.load([4, 5])
+    assert host.blocks == [1, 3, 5, 4] and host.loads == 2
+    # Evictions are published before the stores that needed the room, as vLLM's manager does.
+    assert [(type(e).__name__, e.block_hashes, getattr(e, "parent_block_hash", None), e.medium) for e in events] == [
+        ("BlockStored", [1, 2, 3], None, "CPU"), ("BlockRemoved", [2], None, "CPU"),
+        ("BlockStored", [4, 5], 3, "CPU")]
+    assert [len(e.token_ids) for e in events if isinstance(e, BlockStored)] == [3 * BS, 2 * BS]
     placeholders: list = []
     HostTier(4, BS, self_describing=False).store([1, 2], None, None, None, placeholders)
     assert [(e.block_hashes, e.token_ids, e.block_size, e.parent_block_hash) for e in placeholders] == [
         ([1, 2], [], 0, None)]
+    # An offer larger than the tier stores nothing (vLLM's prepare_store cannot make room).
+    small = HostTier(2, BS)
+    small.store([7, 8, 9], None, list(range(3 * BS)), None, None)
+    assert len(small) == 0 and small.stores == 0
+
+
+def test_store_threshold_stores_a_block_on_its_nth_offer_counted_in_a_bounded_table(monkeypatch) -> None:
+    host = HostTier(10, BS, store_threshold=2)
+    events: list = []
+    host.store([1, 2], None, list(range(2 * BS)), None, events)
+    assert len(host) == 0 and host.skipped == 2 and events == []
+    host.store([1, 2, 3], None, list(range(3 * BS)), None, events)  # 1, 2 offered twice; 3 once
+    assert host.blocks == [2, 1] and host.skipped == 3 and host.stores == 2
+    assert [(e.block_hashes, e.parent_block_hash) for e in events] == [([1, 2], None)]
+    host.store([3], 2, list(range(BS)), None, events)
+    assert host.blocks == [2, 1, 3] and [e.parent_block_hash for e in events] == [None, 2]
+    # The table keeps the most recently offered blocks; the current offer's are never dropped.
+    monkeypatch.setattr("bench.sim.host_tier.MAX_TRACKER_SIZE", 3)
+    t = HostTier(10, BS, store_threshold=2)
+    t.store([10, 11], None, None, None, None)
+    t.store([12, 13], None, None, None, None)  # 10 dropped (least recent), 11, 12, 13 counted once
+    assert dict(t.counts) == {11: 1, 12: 1, 13: 1}
+    t.store([10, 11], None, None, None, None)  # 11 counted twice, stored; 10 again from 1, in 12's place
+    assert dict(t.counts) == {13: 1, 11: 2, 10: 1} and t.blocks == [11]
+    with pytest.raises(ValueError, match="store_threshold"):
+        HostTier(10, BS, store_threshold=-1)
+    with pytest.raises(ValueError, match="eviction"):
+        HostTier(10, BS, eviction="fifo")
+
+
+def test_arc_keeps_a_reused_block_that_lru_evicts_and_learns_from_its_ghosts() -> None:
+    """vLLM's ARC: new blocks enter T1, a reused one moves to T2; T1 gives up blocks first
+    while it is at least its target; a store of a block T1 evicted (a B1 ghost) raises the target."""
+    lru, arc = HostTier(3, BS), HostTier(3, BS, eviction="arc")
+    for host in (lru, arc):
+        host.store([1, 2, 3], None, None, None, None)
+        host.load([1])
+        for h in (4, 5, 6):
+            host.store([h], None, None, None, None)
+    assert lru.blocks == [4, 5, 6]
+    assert arc.blocks == [5, 6, 1]  # T1 [5, 6], T2 [1]: the reused block stays
+    assert list(arc._policy.b1) == [3, 2, 4] and arc._policy.target_t1 == 0
+    arc.store([2], None, None, None, None)  # a B1 ghost: T1's target grows by max(1, |B2| / |B1|) = 1
+    assert arc._policy.target_t1 == 1 and 2 in arc and arc.blocks == [6, 2, 1]
+    # B1 took 5 and was cut to the capacity (3: [4, 2, 5]) before the store removed 2's ghost.
+    assert list(arc._policy.b1) == [4, 5]
+
+
+def test_a_gpu_hit_renews_its_host_copy() -> None:
+    """The connector offers a request's GPU hits when it loads nothing: a prefix kept hot on
+    the GPU stays in the host tier while colder blocks pass through it.  GPU of 60 usable
+    blocks, host of 20. A (8 blocks) is computed, then each of B1..B4 (5 blocks, so the host
+    tier turns over) follows a repeat of A, which hits on the GPU: A's blocks stay in the host
+    tier.  Without the repeats the four B's (20 blocks) push A out."""
+    a = toks(1, 8 * BS + 3)
+    keys = block_keys(a, BS)
+    for repeat in (True, False):
+        rep = replica(61, 20)
+        run(rep, state(0, a))
+        for i in range(4):
+            if repeat:
+                st = state(10 + i, a)
+                run(rep, st)
+                assert st.cached_tokens == 8 * BS and st.host_cached_tokens == 0  # a GPU hit
+            run(rep, state(20 + i, toks(30 + i, 5 * BS + 1)))
+        assert rep.host.run(keys, 0, 8) == (8 if repeat else 0), repeat
 
 
 def test_a_prompt_evicted_from_gpu_loads_from_host_memory_over_the_link() -> None:

@@ -230,6 +230,15 @@ class BlockPool:
                             (cache_salt,) if start == 0 and cache_salt else None,
                             self.events if self.enable_events else None)
 
+    def offer_to_host(self, hashes: Sequence[int], n: int, token_ids: Sequence[int] | None,
+                      cache_salt: str | None = None) -> None:
+        """Offer the host tier the first ``n`` blocks of a sequence (a request's GPU prefix-cache
+        hit), with their events when events are on; see ``bench.sim.host_tier``."""
+        assert self.host is not None
+        tokens = token_ids[: n * self.block_size] if self.enable_events and token_ids is not None else None
+        self.host.store(hashes[:n], None, tokens, (cache_salt,) if cache_salt else None,
+                        self.events if self.enable_events else None)
+
     def free_blocks(self, blocks_in_eviction_order: Iterable[int]) -> None:
         """Drop one reference from each block; released ones join the free queue.
 

@@ -30,6 +30,7 @@ from bench.sim.bounds import cache_hit_rates
 from bench.sim.cluster import ClusterConfig, simulate_policy
 from bench.sim.fleet import FleetConfig, auto_warmup, parse_scale_schedule
 from bench.sim.generators import GENERATORS, generate
+from bench.sim.host_tier import EVICTION_POLICIES
 from bench.sim.latency import GIB, PRESETS, preset
 from bench.sim.policies import POLICIES, make_policy, policy_names
 from bench.sim.replica import EngineConfig
@@ -74,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "step and a host load move half the KV bytes")
     ap.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
                     help="host-memory KV tier per replica in GiB, as vLLM's --kv-offloading-size (0: none)")
+    ap.add_argument("--host-store-threshold", type=int, default=0, metavar="N",
+                    help="host-tier admission, as vLLM's store_threshold: a block is stored once it has been "
+                         "offered N times (below 2: every block; default 0)")
+    ap.add_argument("--host-eviction", choices=EVICTION_POLICIES, default="lru",
+                    help="host-tier eviction, as vLLM's eviction_policy (lru)")
     ap.add_argument("--placeholder-host-events", action="store_true",
                     help="host-tier stores published as vLLM's placeholders (default: self-describing)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None, help="preset: 0.90")
@@ -194,6 +200,8 @@ def _cluster(args: argparse.Namespace) -> tuple[ClusterConfig, dict[str, Any]]:
     latency = replace(latency, model=replace(latency.model, kv_bytes_per_elem=elem))
     if not args.kv_offloading_size >= 0:
         raise SystemExit(f"--kv-offloading-size must be >= 0 GiB, got {args.kv_offloading_size}")
+    if args.host_store_threshold < 0:
+        raise SystemExit(f"--host-store-threshold must be >= 0, got {args.host_store_threshold}")
     # vLLM's native backend: cpu_bytes_to_use = kv_offloading_size * 2**30, one engine block a chunk.
     host_blocks = int(args.kv_offloading_size * GIB) // (bs * latency.model.kv_bytes_per_token)
     engine = EngineConfig(
@@ -204,6 +212,8 @@ def _cluster(args: argparse.Namespace) -> tuple[ClusterConfig, dict[str, Any]]:
         max_model_len=max_len,
         host_blocks=host_blocks,
         self_describing_host_events=not args.placeholder_host_events,
+        host_store_threshold=args.host_store_threshold,
+        host_eviction=args.host_eviction,
     )
     cfg = ClusterConfig(
         replicas=args.replicas,
@@ -227,6 +237,9 @@ def _cluster(args: argparse.Namespace) -> tuple[ClusterConfig, dict[str, Any]]:
         "host_blocks_per_replica": host_blocks,
         "host_link_bytes_per_s": round(latency.gpu.host_link_bandwidth * latency.host_link_efficiency),
         "host_events": "placeholder" if args.placeholder_host_events else "self_describing",
+        # Named only with a tier: reports of host tiers from before GPU-hit offers (2026-12-05) differ.
+        **({"host_store_threshold": args.host_store_threshold, "host_eviction": args.host_eviction}
+           if host_blocks else {}),
         "gpu_memory_utilization": util,
         "max_model_len": max_len,
         "max_num_batched_tokens": engine.max_num_batched_tokens,

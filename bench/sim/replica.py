@@ -25,14 +25,15 @@ prefix caching on):
    blocks tail first (:mod:`bench.sim.block_pool`).
 
 With a host-memory tier (:mod:`bench.sim.host_tier`, vLLM's CPU offloading
-connector), a waiting request whose blocks after its GPU hit are held in host
-memory loads them, as vLLM's scheduler does with ``get_num_new_matched_tokens``:
-it takes GPU blocks for them at once (its whole sequence must fit, as for any
-admission), leaves the waiting queue without using the step's token budget
-(vLLM's ``WAITING_FOR_REMOTE_KVS``), and waits for the copy, one at a time over
-the replica's host link (``LatencyModel.host_load_time``).  Once the copy is
-done (seen at the next step's start), the loaded blocks are cached and the
-request goes back to the front of the waiting queue with them computed.  Its
+connector), an admitted request offers its GPU-hit blocks to the tier when it loads
+nothing from it, as the connector's store pass does, and a waiting request whose
+blocks after its GPU hit are held in host memory loads them, as vLLM's scheduler
+does with ``get_num_new_matched_tokens``: it takes GPU blocks for them at once (its
+whole sequence must fit, as for any admission), leaves the waiting queue without
+using the step's token budget (vLLM's ``WAITING_FOR_REMOTE_KVS``), and waits for the
+copy, one at a time over the replica's host link (``LatencyModel.host_load_time``).
+Once the copy is done (seen at the next step's start), the loaded blocks are cached
+and the request goes back to the front of the waiting queue with them computed. Its
 ``cached_tokens`` count both tiers, as vLLM's ``num_cached_tokens`` does;
 ``host_cached_tokens`` the loaded ones.
 
@@ -81,6 +82,10 @@ class EngineConfig:
         host_blocks: blocks of its host-memory KV tier (0: none).
         self_describing_host_events: host-tier stores published with token ids
             and parents (vLLM's ``self_describing_kv_events``), else placeholders.
+        host_store_threshold: offers a block needs before the host tier stores it
+            (vLLM's ``store_threshold``; below 2: every block).
+        host_eviction: the host tier's eviction policy, ``lru`` or ``arc``
+            (vLLM's ``eviction_policy``).
     """
 
     num_blocks: int
@@ -90,6 +95,8 @@ class EngineConfig:
     max_model_len: int = 32768
     host_blocks: int = 0
     self_describing_host_events: bool = True
+    host_store_threshold: int = 0
+    host_eviction: str = "lru"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -165,7 +172,8 @@ class Replica:
         self.id = f"replica-{index}"
         self.cfg = config
         self.latency = latency
-        self.host = (HostTier(config.host_blocks, config.block_size, config.self_describing_host_events)
+        self.host = (HostTier(config.host_blocks, config.block_size, config.self_describing_host_events,
+                              config.host_store_threshold, config.host_eviction)
                      if config.host_blocks else None)
         self.pool = BlockPool(config.num_blocks, config.block_size, enable_events, self.host)
         self.loading: list[ReqState] = []  # admitted with a host-tier load in flight, by ready time
@@ -427,6 +435,8 @@ class Replica:
                             self._start_load(st, hit, n_hit, loaded, now)
                             waiting.popleft()
                             continue
+                        if hit and host is not None:  # no load: the connector offers the GPU hits too
+                            pool.offer_to_host(st.keys, n_hit, st.tokens, st.req.cache_salt)
                         chunk = min(st.T - hit_tokens, lim)
                         new = -(-(hit_tokens + chunk) // bs) - n_hit
                         st.blocks = hit + (pool.get_new_blocks(new) if new > 0 else [])
