@@ -218,6 +218,27 @@ def test_sweep_over_kv_dtypes_names_each_report_and_column(tmp_path, capsys):
         sweep_main(args + ["--kv-cache-dtype", "fp8"])
 
 
+def test_sweep_over_host_admission_and_eviction_varies_them_only_with_a_tier(tmp_path, capsys):
+    from bench.sim.sweep import main as sweep_main
+    from bench.sim.sweep import report_path
+
+    args = ["--workload", "chat", "--num-requests", "60", "--policies", "round_robin,prefix_affinity", "--rates", "1",
+            "--presets", "4090-qwen2.5-7b-fp16", "--num-blocks", "300", "--out", str(tmp_path), "--no-progress",
+            "--kv-offloading-sizes", "0,0.5", "--host-evictions", "lru,arc", "--host-store-thresholds", "0,2"]
+    assert sweep_main(args) == 0
+    names = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert names == ["chat_fp16_arc_h0.5_x1.json", "chat_fp16_arc_t2_h0.5_x1.json", "chat_fp16_h0.5_x1.json",
+                     "chat_fp16_h0_x1.json", "chat_fp16_t2_h0.5_x1.json"]
+    arc2 = json.loads(report_path(tmp_path, "chat", "4090-qwen2.5-7b-fp16", 1.0, 0.5, "auto", "arc", 2).read_text())
+    assert (arc2["config"]["host_eviction"], arc2["config"]["host_store_threshold"]) == ("arc", 2)
+    table = capsys.readouterr().out
+    assert table.count("| chat | fp16, arc, store at offer 2 | 0.5 |") == 1 and table.count("| chat | fp16 | 0 |") == 1
+    for bad, flag in (("fifo", "--host-evictions"), ("-1", "--host-store-thresholds"),
+                      ("x", "--host-store-thresholds")):
+        with pytest.raises(SystemExit, match=flag):
+            sweep_main([*args, flag, bad])
+
+
 def test_decisions_are_saved_per_request_and_compared(tmp_path):
     """bench.sim.decisions: the same options give identical files (exit 0), another seed another file (1)."""
     from bench.sim import decisions

@@ -79,6 +79,18 @@ def _fmt_pct(x: float | None) -> str:
     return "" if x is None else f"{x * 100:.0f} %"
 
 
+def setting_label(config: dict[str, Any]) -> str:
+    """``, fp8 KV, arc, store at 2nd offer`` for a report's ``config`` (empty for the defaults)."""
+    out = ""
+    if config.get("kv_cache_dtype", "auto") != "auto":
+        out += f", {config['kv_cache_dtype']} KV"
+    if config.get("host_eviction", "lru") != "lru":
+        out += f", {config['host_eviction']}"
+    if config.get("host_store_threshold", 0) >= 2:
+        out += f", store at offer {config['host_store_threshold']}"
+    return out
+
+
 def summary_table(reports: list[dict[str, Any]]) -> str:
     """One markdown row per report: the done-when check for ``prefix_affinity``.
 
@@ -101,9 +113,7 @@ def summary_table(reports: list[dict[str, Any]]) -> str:
             continue
         bh, bp = a["best_hit_policy"], a["best_p90_policy"]
         c = rep["config"]
-        preset = c.get("preset", "").replace("4090-qwen2.5-7b-", "")
-        if c.get("kv_cache_dtype", "auto") != "auto":
-            preset += f", {c['kv_cache_dtype']} KV"
+        preset = c.get("preset", "").replace("4090-qwen2.5-7b-", "") + setting_label(c)
         verdict = {True: "met", False: "**not met**", None: "no round_robin run"}[a["met"]]
         rr = f"{acc['rr_p50_s']:.2f}" if "rr_p50_s" in acc else ""
         host = c.get("kv_offloading_size_gib") or 0
