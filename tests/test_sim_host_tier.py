@@ -128,6 +128,17 @@ def test_arc_keeps_a_reused_block_that_lru_evicts_and_learns_from_its_ghosts() -
     assert list(arc._policy.b1) == [4, 5]
 
 
+def test_only_full_prompt_blocks_are_offered() -> None:
+    """vLLM's ``offload_prompt_only`` (on by default): a 3-block-and-5-token prompt that decodes
+    40 tokens fills 5 blocks on the GPU; the host tier gets its 3 full prompt blocks only."""
+    rep = replica(61, 100)
+    a = toks(1, 3 * BS + 5)
+    st = state(0, a, max_tokens=40)
+    run(rep, st)
+    assert rep.pool.longest_hit(list(st.keys), len(st.keys)) and len(st.keys) >= 5
+    assert rep.host.stores == 3 and sorted(rep.host.blocks) == sorted(block_keys(a, BS)[:3])
+
+
 def test_a_gpu_hit_renews_its_host_copy() -> None:
     """The connector offers a request's GPU hits when it loads nothing: a prefix kept hot on
     the GPU stays in the host tier while colder blocks pass through it.  GPU of 60 usable
@@ -161,7 +172,9 @@ def test_a_prompt_evicted_from_gpu_loads_from_host_memory_over_the_link() -> Non
     assert rep.host.run(block_keys(a, BS), 0, 8) == 8  # ... kept in host memory
     again = state(3, a)
     start = 10.0
+    stores = rep.host.stores
     end = run(rep, again, start)
+    assert rep.host.stores == stores  # loaded blocks are not offered again (the store pass starts after them)
     assert again.cached_tokens == again.host_cached_tokens == 8 * BS
     load = 8 * BS * 57_344 / (16 * 16e9 * 128 / 130 / 8 * 0.8)
     assert LAT.host_load_time(8 * BS) == pytest.approx(load)

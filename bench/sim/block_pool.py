@@ -22,9 +22,9 @@ simulator's prefix-cache hits and evictions are the engine's:
   passes them tail first): hashed blocks go to the *back* of the free queue
   (least recently used first), unhashed ones to the *front* (reused first).
 
-With a host tier (``bench.sim.host_tier``, vLLM's CPU offloading), every
-block cached here is copied there as it is cached (:meth:`cache_full_blocks`),
-its host events queued with the GPU ones.
+With a host tier (``bench.sim.host_tier``, vLLM's CPU offloading), the replica
+offers it blocks cached here (:meth:`offer_to_host`), their host events queued
+with the GPU ones.
 
 Events (when enabled) are queued like vLLM's ``kv_event_queue``: one
 ``BlockStored`` per :meth:`cache_full_blocks` call and ``BlockRemoved`` for
@@ -204,7 +204,6 @@ class BlockPool:
                     cached[h] = {entry: None, b: None}
             else:
                 entry[b] = None
-        tokens = None
         if self.enable_events:
             bs = self.block_size
             extra: list[tuple | None] = [None] * (end - start)
@@ -225,18 +224,16 @@ class BlockPool:
                     group_idx=0,
                 )
             )
-        if self.host is not None:
-            self.host.store(hashes[start:end], hashes[start - 1] if start else None, tokens,
-                            (cache_salt,) if start == 0 and cache_salt else None,
-                            self.events if self.enable_events else None)
 
-    def offer_to_host(self, hashes: Sequence[int], n: int, token_ids: Sequence[int] | None,
+    def offer_to_host(self, hashes: Sequence[int], start: int, end: int, token_ids: Sequence[int] | None,
                       cache_salt: str | None = None) -> None:
-        """Offer the host tier the first ``n`` blocks of a sequence (a request's GPU prefix-cache
-        hit), with their events when events are on; see ``bench.sim.host_tier``."""
+        """Offer the host tier blocks ``start:end`` of a sequence (cached here), with their events
+        when events are on; which blocks and when is the replica's call (``bench.sim.replica``)."""
         assert self.host is not None
-        tokens = token_ids[: n * self.block_size] if self.enable_events and token_ids is not None else None
-        self.host.store(hashes[:n], None, tokens, (cache_salt,) if cache_salt else None,
+        bs = self.block_size
+        tokens = token_ids[start * bs: end * bs] if self.enable_events and token_ids is not None else None
+        self.host.store(hashes[start:end], hashes[start - 1] if start else None, tokens,
+                        (cache_salt,) if start == 0 and cache_salt else None,
                         self.events if self.enable_events else None)
 
     def free_blocks(self, blocks_in_eviction_order: Iterable[int]) -> None:

@@ -3,12 +3,14 @@
 Mirrors vLLM 0.32's ``vllm/v1/kv_offload/cpu`` manager (``CPUOffloadingManager``) with
 one engine block a chunk (``blocks_per_chunk`` 1, the default):
 
-* **Offers**: a request offers its prompt's blocks to the tier once each, as the
-  connector's store pass walks them (``prepare_store``): the blocks it computes, and,
-  when it loads nothing from this tier, its GPU prefix-cache hits too (the connector
-  skips the hit chunks only after a host load, ``update_state_after_alloc``).  An
-  offered block already held is *reused*; one not held is stored, unless admission
-  holds it back.
+* **Offers**: a request offers its prompt's full blocks to the tier once each (also
+  across preemptions), as the connector's store pass walks them (``prepare_store``,
+  ``next_stored_chunk_idx``): from its first block when it loads nothing from this tier
+  (its GPU prefix-cache hits with its first computed blocks, in one offer), else from
+  the block after the loaded ones (``update_state_after_alloc``).  Blocks filled while
+  decoding are not offered (``offload_prompt_only``, on by default).  Which blocks and
+  when is ``bench.sim.replica``'s part.  An offered block already held is *reused*; one
+  not held is stored, unless admission holds it back.
 * **Admission** (``store_threshold``, vLLM's ``kv_connector_extra_config`` key): with
   a threshold ``N >= 2`` a block is stored only once it has been offered ``N`` times,
   counted in a table of at most ``max_tracker_size`` (64,000) blocks, least recently
@@ -19,9 +21,12 @@ one engine block a chunk (``blocks_per_chunk`` 1, the default):
   lists B1/B2 of evicted blocks steer the T1 target).  Room is made before a store,
   never by evicting a block of the same offer; a store that cannot get room stores
   nothing (``prepare_store`` returns None).
-* **Recency**: vLLM applies a request's accesses when it finishes, head to tail
-  reversed (``on_request_finished``), so a prompt's first blocks end most recent;
-  the simulator applies them at the offer or load, in the same reversed order.
+* **Recency**: vLLM applies a request's accesses when it finishes, tail first
+  (``on_request_finished``), so a prompt's first blocks end most recent.  The simulator
+  applies each offer's and each load's accesses when they happen, tail first within
+  each: a prompt prefilled in several chunks ends with its later chunks more recent,
+  and its blocks are ranked at prefill, not at the request's finish.  ARC likewise
+  promotes a reused block at the offer or load, not at the finish.
 * **Loads**: a request's blocks that follow its GPU prefix-cache hit and are held
   here, consecutively, are loaded into new GPU blocks (``get_num_new_matched_tokens``)
   and count as reused; the request waits for the copy (``bench.sim.replica``), whose

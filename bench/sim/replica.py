@@ -110,7 +110,7 @@ class ReqState:
         "req", "keys", "tokens", "P", "N", "T", "c", "blocks", "n_cached", "outputs", "order", "gen",
         "base_c", "base_step", "chunk", "cached_tokens", "admitted", "preemptions", "arrival_s",
         "first_token_s", "last_token_s", "finish_s", "replica", "user", "host_cached_tokens", "ready_at", "loading",
-        "warm",
+        "warm", "host_offered",
     )
 
     def __init__(self, req: SimRequest, arrival_s: float, tokens=None, user=None, warm: bool = False) -> None:
@@ -124,6 +124,8 @@ class ReqState:
         self.c = 0  # tokens whose KV is computed (valid while not decoding)
         self.blocks: list[int] = []
         self.n_cached = 0  # blocks of self.blocks cached (have a hash)
+        # Prompt blocks offered to the host tier so far (vLLM's next_stored_chunk_idx: kept when preempted).
+        self.host_offered = 0
         self.outputs = 0
         self.order = 0
         self.gen = 0
@@ -393,6 +395,7 @@ class Replica:
             if full > st.n_cached:
                 pool.cache_full_blocks(st.blocks, st.keys, st.n_cached, full, st.tokens, st.req.cache_salt)
                 st.n_cached = full
+                self._offer(st, full)
             st.chunk = chunk
             chunks.append(st)
             budget -= chunk
@@ -435,8 +438,6 @@ class Replica:
                             self._start_load(st, hit, n_hit, loaded, now)
                             waiting.popleft()
                             continue
-                        if hit and host is not None:  # no load: the connector offers the GPU hits too
-                            pool.offer_to_host(st.keys, n_hit, st.tokens, st.req.cache_salt)
                         chunk = min(st.T - hit_tokens, lim)
                         new = -(-(hit_tokens + chunk) // bs) - n_hit
                         st.blocks = hit + (pool.get_new_blocks(new) if new > 0 else [])
@@ -446,6 +447,7 @@ class Replica:
                     if full > st.n_cached:
                         pool.cache_full_blocks(st.blocks, st.keys, st.n_cached, full, st.tokens, st.req.cache_salt)
                         st.n_cached = full
+                    self._offer(st, full)  # with no host load: its GPU hits, then what it computes
                     if not st.admitted:
                         st.admitted = True
                         st.cached_tokens = hit_tokens
@@ -487,11 +489,23 @@ class Replica:
         self._step_dur = dur
         return dur
 
+    def _offer(self, st: ReqState, full: int) -> None:
+        """vLLM's store pass: offer the host tier ``st``'s full prompt blocks below ``full`` that it
+        has not offered yet (``offload_prompt_only``, vLLM's default: decode blocks never are)."""
+        if self.host is None:
+            return
+        end = min(full, st.P // self.cfg.block_size)
+        if end > st.host_offered:
+            self.pool.offer_to_host(st.keys, st.host_offered, end, st.tokens, st.req.cache_salt)
+            st.host_offered = end
+
     def _start_load(self, st: ReqState, hit: list[int], n_hit: int, loaded: int, now: float) -> None:
-        """Admit ``st`` with a host-tier load of ``loaded`` blocks after its ``n_hit`` GPU-hit blocks."""
+        """Admit ``st`` with a host-tier load of ``loaded`` blocks after its ``n_hit`` GPU-hit blocks
+        (neither is offered to the tier again: the connector's store pass starts after them)."""
         bs = self.cfg.block_size
         assert self.host is not None
         self.host.load(st.keys[n_hit:n_hit + loaded])
+        st.host_offered = max(st.host_offered, n_hit + loaded)
         st.blocks = hit + self.pool.get_new_blocks(loaded)
         st.n_cached = n_hit
         st.c = n_hit * bs
