@@ -39,8 +39,12 @@ one engine block a chunk (``blocks_per_chunk`` 1, the default):
   (``token_ids=[]``, no parent, ``block_size=0``).
 
 A block is identified by its hash, which in the simulator is the router's block key
-(``bench.sim.block_pool``).  The copy's own time is not modelled (it runs beside the
-engine's steps), nor is pinning of blocks being loaded (a load takes milliseconds).
+(``bench.sim.block_pool``).  Not modelled: the copy's own time (it runs beside the
+engine's steps; vLLM publishes a store, and lets it be loaded, once the copy is done),
+pinning of blocks being loaded or written (a load takes milliseconds; vLLM retries a
+store that found no room), and a block-aligned prompt's last block (the replica looks
+up ``(T - 1) // block_size`` blocks, vLLM ``T // block_size`` and recomputes the last
+token: one block fewer loaded for such prompts).
 """
 
 from __future__ import annotations
