@@ -143,6 +143,19 @@ def stream_text(events: list[Any]) -> dict[int, str]:
     return text
 
 
+def assert_same_answer(ours: Any, ref: Any, deterministic: bool) -> None:
+    """Two successful answers (unary or streamed) agree in shape, and in text where decoding is deterministic."""
+    if isinstance(ref, list):
+        assert isinstance(ours, list), ours
+        assert stream_shape(ours, deterministic) == stream_shape(ref, deterministic)
+        if deterministic:
+            assert stream_text(ours) == stream_text(ref)
+    else:
+        assert unary_shape(ours, deterministic) == unary_shape(ref, deterministic)
+        if deterministic:
+            assert unary_text(ours) == unary_text(ref)
+
+
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
 
@@ -239,15 +252,7 @@ def test_same_answer_as_vllms_server(servers, name, path, body, deterministic):
         assert ours_status == ref_status, (ours, ref)
         assert set(ours["error"]) >= {"message", "type", "code"} and ours["error"]["code"] == ours_status
         return
-    if isinstance(ref, list):
-        assert isinstance(ours, list), ours
-        assert stream_shape(ours, deterministic) == stream_shape(ref, deterministic)
-        if deterministic:
-            assert stream_text(ours) == stream_text(ref)
-    else:
-        assert unary_shape(ours, deterministic) == unary_shape(ref, deterministic)
-        if deterministic:
-            assert unary_text(ours) == unary_text(ref)
+    assert_same_answer(ours, ref, deterministic)
 
 
 def test_features_do_what_they_say(servers):

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import vllm_server
 from tests.conftest import REPO, deep_update, default_config, start_app, stop_all
-from tests.test_api_parity import CASES, CHAT, CMPL, _post, stream_shape, stream_text, unary_shape, unary_text
+from tests.test_api_parity import CASES, CHAT, CMPL, _post, assert_same_answer
 
 pytestmark = pytest.mark.engine
 
@@ -99,12 +99,4 @@ def test_same_answer_as_vllms_fp8_server(servers, name, path, body, deterministi
     ours_status, ours = _post(app_url, path, body)
     ref_status, ref = _post(fp8_url, path, body)
     assert (ours_status, ref_status) == (200, 200), (ours, ref)
-    if isinstance(ref, list):
-        assert isinstance(ours, list), ours
-        assert stream_shape(ours, deterministic) == stream_shape(ref, deterministic)
-        if deterministic:
-            assert stream_text(ours) == stream_text(ref)
-    else:
-        assert unary_shape(ours, deterministic) == unary_shape(ref, deterministic)
-        if deterministic:
-            assert unary_text(ours) == unary_text(ref)
+    assert_same_answer(ours, ref, deterministic)
