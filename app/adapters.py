@@ -6,7 +6,7 @@ including those Serve starts later. ``AdapterBook`` is the record: a named Ray a
 (one per app, detached so it outlives the ingress replica that made it, none per
 process) that owns ``{adapter name: path}`` of the adapters loaded at run time, and
 nothing else. The ingress writes it (``serving.allow_runtime_lora_updating``) and then
-sends the load to every running engine replica (``app.broadcast``), or to the replicas
+sends the load to every running engine replica (``app.ingress.broadcast``), or to the replicas
 the load names; an engine replica reads it when it warms up and loads those loaded on
 every replica, after the configured adapters;
 the ingresses read it to accept ``model: <adapter>`` and list the adapter in

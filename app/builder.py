@@ -27,10 +27,10 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from app.config import AppArgs, ReplicaConfig, parse_app_args
-from app.engine import VLLMEngine
-from app.ingress import OpenAIIngress
+from app.engine.deployment import VLLMEngine
+from app.ingress.deployment import OpenAIIngress
 
-DEFAULT_ROUTER_CLASS = "app.router:PrefixAffinityRouter"
+DEFAULT_ROUTER_CLASS = "app.router.prefix_affinity:PrefixAffinityRouter"
 ROUTING_STATS_PERIOD_S = 1.0
 ROUTING_STATS_TIMEOUT_S = 10.0
 
@@ -102,7 +102,7 @@ def actor_options(replicas: ReplicaConfig, num_gpus: float | None = None) -> dic
 
 def check_warmup(cfg: AppArgs) -> AppArgs:
     """``cfg`` with its warm-up file's prompts inline (the replicas read no file), each prompt rendered
-    by vLLM's renderer as the ingress will (``app.warmup.check``); raises ``ValueError`` naming a file
+    by vLLM's renderer as the ingress will (``app.ingress.warmup.check``); raises ``ValueError`` naming a file
     line that is no prompt, a name given twice, or a prompt that fails to render or exceeds the context."""
     if not cfg.warmup.prompts and cfg.warmup.file is None:
         return cfg
@@ -112,9 +112,9 @@ def check_warmup(cfg: AppArgs) -> AppArgs:
     if twice:
         raise ValueError(f"warmup prompt names must be unique: {', '.join(repr(n) for n in twice)} given twice")
     cfg = cfg.model_copy(update={"warmup": warmup})
-    from app import warmup as warm
     from app.frontend import Renderer
-    from app.prepare import Preparer
+    from app.ingress import warmup as warm
+    from app.ingress.prepare import Preparer
 
     preparer = Preparer(cfg, Renderer(cfg))
     # Serve's build task has no event loop; a caller that runs one (a test) gets the check on a thread.

@@ -413,7 +413,7 @@ class ResponsesStoreConfig(_Strict):
     vLLM keeps it only with ``VLLM_ENABLE_RESPONSES_API_STORE=1`` and never evicts an entry;
     here it is on by default and bounded per replica by count and by age; a response, its messages
     and its events live and leave as one entry, and a running background response stays
-    (``app.responses_store``).
+    (``app.engine.responses_store``).
     """
 
     enabled: bool = Field(True, description="keep `store: true` responses (vLLM: VLLM_ENABLE_RESPONSES_API_STORE)")
@@ -496,7 +496,7 @@ class WarmupPrompt(_Strict):
 
 
 class WarmupConfig(_Strict):
-    """Prefixes prefilled on the engine replicas before ``/ready`` answers 200 (``app.warmup``).
+    """Prefixes prefilled on the engine replicas before ``/ready`` answers 200 (``app.ingress.warmup``).
 
     Each prompt is sent with ``max_tokens: 1`` through the request router, which places it
     by the cost it routes with; a prompt with ``copies: k`` goes to k different replicas (the
@@ -508,7 +508,7 @@ class WarmupConfig(_Strict):
     file: str | None = Field(None, min_length=1, description="JSONL of WarmupPrompt objects (path as `model`)")
     concurrency: int = Field(4, ge=1, description="warm-up requests in flight at once")
     rewarm: bool = Field(True, description="warm a joining engine replica before it takes its share of traffic, and "
-                                           "hand a leaving one's hot prefixes on to the survivors (app.warmup)")
+                                           "hand a leaving one's hot prefixes on to the survivors (app.ingress.warmup)")
     rewarm_tokens: int | None = Field(None, ge=1, description="prompt tokens one join or leave warms at most "
                                                               "(null: half an engine replica's GPU KV cache)")
     join_timeout_s: float = Field(30.0, ge=1.0, le=3600.0,
@@ -579,7 +579,7 @@ class AppArgs(_Strict):
                                                     "without the API key")
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get HTTP 413")
     warmup: WarmupConfig = Field(default_factory=WarmupConfig,
-                                 description="prefixes prefilled before /ready answers 200 (app.warmup)")
+                                 description="prefixes prefilled before /ready answers 200 (app.ingress.warmup)")
     stream_transport: Literal["zmq", "ray"] = Field(
         "zmq", description="how a streamed answer's items go from the engine replica to the ingress: 'zmq', "
                            "a socket from each engine replica to each ingress (app.stream_channel), or 'ray', "

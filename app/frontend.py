@@ -15,9 +15,9 @@ requests or responses itself: it builds vLLM's classes from the same settings
 - ``EngineFrontend(engine_client, cfg)``: what each engine replica runs per request:
   vLLM's ``OpenAIServingChat`` (and ``OpenAIServingChatBatch``), ``OpenAIServingCompletion``,
   ``OpenAIServingResponses``
-  (its store bounded: ``app.responses_store``) and ``AnthropicServingMessages`` over
+  (its store bounded: ``app.engine.responses_store``) and ``AnthropicServingMessages`` over
   the replica's ``AsyncLLM`` (chat, completions and messages with
-  ``app.probe.StreamErrorsObserved``: a stream's error events are known as such), with
+  ``app.engine.probe.StreamErrorsObserved``: a stream's error events are known as such), with
   vLLM's ``OpenAIServingModels`` holding the LoRA adapters.
 
 The settings are the ``serving`` block of the app args (``app.config.ServingConfig``),
@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, cast
 
 from app.config import AppArgs, resolve_path
-from app.responses_store import bound_responses_store
+from app.engine.responses_store import bound_responses_store
 
 if TYPE_CHECKING:
     from vllm.config.model import ModelDType
@@ -253,6 +253,6 @@ class EngineFrontend:
 
 def _observed(serving_cls: type) -> type:
     """vLLM's serving class with its streams' error events reported to the request's probe."""
-    from app.probe import StreamErrorsObserved
+    from app.engine.probe import StreamErrorsObserved
 
     return type(serving_cls.__name__, (StreamErrorsObserved, serving_cls), {})

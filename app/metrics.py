@@ -1,6 +1,6 @@
 """Prometheus metrics of the routing path, and the registry of live routers.
 
-Lives apart from ``app.router`` because Ray Serve pickles the request-router
+Lives apart from ``app.router.prefix_affinity`` because Ray Serve pickles the request-router
 module by value into each process; objects defined here are imported by
 reference, so there is one set per process (the ingress's ``/metrics`` and
 ``/debug/routing`` read them).
@@ -79,7 +79,7 @@ INGRESS_CACHED_TOKENS = Counter(
     "prefix_serve_cached_tokens", "Prompt tokens the engines served from their prefix cache"
 )
 INGRESS_OUTPUT_TOKENS = Counter("prefix_serve_output_tokens", "Output tokens of completed requests")
-WARMUP_REQUESTS = Counter("prefix_serve_warmup_requests", "Warm requests (app.warmup) by why they were sent and "
-                          "how they ended", ["reason", "outcome"])
+WARMUP_REQUESTS = Counter("prefix_serve_warmup_requests", "Warm requests (app.ingress.warmup) by why they were "
+                          "sent and how they ended", ["reason", "outcome"])
 WARMUP_PREFILL_TOKENS = Counter("prefix_serve_warmup_prefill_tokens", "Prompt tokens warm requests prefilled "
                                 "(prompt less cached), apart from client requests' prefill", ["reason"])

@@ -102,7 +102,7 @@ class EngineRequest:
         stream_to: the asking ingress's ``StreamInbox`` address (``tcp://host:port``):
             a streamed answer's items go there, keyed by ``route_id``, instead of
             through the handle call (``app.stream_channel``); None: through the call.
-        warmup: why this is a warm request (``app.warmup``: ``"start"``), None for a client's:
+        warmup: why this is a warm request (``app.ingress.warmup``: ``"start"``), None for a client's:
             its decision record says so and its usage stays out of the request metrics.
         avoid_replicas: engine replica ids the router places this request elsewhere than while
             another replica runs (a warm-up's further copies: replicas holding the prefix already).

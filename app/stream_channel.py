@@ -10,7 +10,7 @@ engine replica sends each item into a ZMQ PUSH socket connected to the asking
 ingress; the ingress reads them from its PULL socket on its serving loop.
 
 What stays on the Ray call: choosing the replica (the request router), the request
-itself, a refusal or a whole answer (``app.dispatch``), cancellation (a client gone,
+itself, a refusal or a whole answer (``app.ingress.dispatch``), cancellation (a client gone,
 the deadline: cancelling the call aborts the request in the engine) and replica
 loss (the call fails; the ingress ends the stream with the error event, or resends
 the request when nothing of its answer came yet).

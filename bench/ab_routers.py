@@ -14,7 +14,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from app.router_ranks import chosen_first, no_candidates
+from app.router.ranks import chosen_first, no_candidates
 
 
 class RoundRobinRouter(FIFOMixin, RequestRouter):

@@ -1,12 +1,12 @@
 """How long the ingress's serving loop stalls while it prepares large request bodies.
 
-The ingress prepares a request (parse, validate, render, tokenize: ``app.prepare``) on a
-worker loop of its own thread when the body is over 64 KiB (``app.offload``), so its
+The ingress prepares a request (parse, validate, render, tokenize: ``app.ingress.prepare``) on a
+worker loop of its own thread when the body is over 64 KiB (``app.ingress.offload``), so its
 serving loop keeps answering other streams. A thread helps only between calls that hold
 the GIL: ``json.loads`` of a 4 MiB body and pydantic's validation of it are one call each,
 which held the serving loop 135-607 ms for a list of 256 prompts of 3,800 token ids
-(issue 38, fault 5). Large bodies are now decoded a piece at a time (``app.json_body``),
-token-id prompt lists validated a prompt at a time (``app.prepare.token_prompts_request``),
+(issue 38, fault 5). Large bodies are now decoded a piece at a time (``app.ingress.json_body``),
+token-id prompt lists validated a prompt at a time (``app.ingress.prepare.token_prompts_request``),
 and fields too large to validate in one short call refused by count (``check_size``).
 
 This benchmark runs the ingress's own preparation (``OpenAIServing._prepare``: the worker
@@ -118,10 +118,10 @@ async def _measure(serving: Any, bodies: list[tuple[str, bytes]] | None) -> dict
 def run(n_bodies: int = BODIES) -> dict[str, Any]:
     """Every shape in the three modes; returns ``{"idle": {...}, "pieces": {shape: {...}}, "whole": {...},
     "target_met": bool}``."""
-    import app.prepare as prepare
+    import app.ingress.prepare as prepare
     from app.config import AppArgs
     from app.frontend import Renderer
-    from app.serving import OpenAIServing
+    from app.ingress.serving import OpenAIServing
 
     with open(REPO / "serve_config.yaml", encoding="utf-8") as f:
         args = AppArgs.model_validate(yaml.safe_load(f)["applications"][0]["args"])

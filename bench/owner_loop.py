@@ -1,6 +1,6 @@
 """Routing latency while the router's loop loads a 2 M-key snapshot and clears a 2 M-key replica.
 
-The router's state has one owner, the event loop that routes (``app.router``);
+The router's state has one owner, the event loop that routes (``app.router.prefix_affinity``);
 its relay reader (``routing.relay_reader``) loads snapshots and clears departed
 replicas on that same loop, a chunk at a time (``RouterState.load_step``,
 ``RouterState.clear_step``), so a request never waits behind a whole load.

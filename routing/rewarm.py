@@ -1,7 +1,7 @@
 """A router's book of replicas joining and leaving, and what to warm on each.
 
-The live router (``app.router``) keeps one :class:`RewarmBook` on its owner loop
-and the ingress's warm-up (``app.warmup``) acts on it:
+The live router (``app.router.prefix_affinity``) keeps one :class:`RewarmBook` on its owner loop
+and the ingress's warm-up (``app.ingress.warmup``) acts on it:
 
 * **join**: a replica that appears after :meth:`RewarmBook.watch` (scale-up, a
   replacement) is *held back*: the router leaves it out of a request's first

@@ -6,7 +6,7 @@ index (``routing.index``), one KV-event feed per followed replica
 under a router-side id no client can collide with (the live router uses Serve's
 internal request id; the ingress's ``EngineRequest.route_id`` names it for the
 first-token signal).  It has one owner: every method runs on the owner's event
-loop (the live router: Serve's router loop; ``app.router`` posts to it from
+loop (the live router: Serve's router loop; ``app.router.prefix_affinity`` posts to it from
 other threads), so nothing here takes a lock, reads a clock (times are passed
 in) or does I/O.  The live router, the simulator (``bench.sim.policies``) and
 the router benchmark (``bench.router_overhead``) all call it, so the

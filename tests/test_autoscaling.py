@@ -16,7 +16,7 @@ long stream is pinned on each replica by prefix affinity, Serve removes one repl
 (whichever it picks: docs/configuration.md), and both streams end with ``[DONE]``.
 The measured times are printed (``pytest -s``).
 
-Re-warm (issue 35, ``app.warmup``): the app warms one configured prompt at start and a
+Re-warm (issue 35, ``app.ingress.warmup``): the app warms one configured prompt at start and a
 prefix is made hot (hit twice) before the burst. The replica the burst adds is held
 back until it has been sent both (its join's decision records precede every client
 request routed to it), and the first request for the hot prefix that reaches it is a

@@ -53,7 +53,7 @@ def test_shipped_configs_validate(path, gpu_build):
     assert "router" in entry["args"]
     assert not any("request_router_config" in d for d in entry.get("deployments", []))
     rcfg = _engine_router_config(build_app(entry["args"]))
-    assert rcfg.request_router_class == "app.router:PrefixAffinityRouter"
+    assert rcfg.request_router_class == "app.router.prefix_affinity:PrefixAffinityRouter"
     kwargs = rcfg.request_router_kwargs
     assert kwargs == args.router.model_dump() and kwargs["block_size"] == args.engine.block_size
     assert entry["args"]["router"].items() <= kwargs.items()  # the knobs as the config sets them
@@ -131,7 +131,7 @@ def test_4090_configs_turn_the_host_tier_on_and_pass_it_to_vllm():
     # KV bytes a token (what the engine reports to price a host hit), from the model's own config.json.
     import json
 
-    from app.engine import kv_bytes_per_token
+    from app.engine.deployment import kv_bytes_per_token
 
     hf = json.loads((REPO / "models" / "tiny-qwen2" / "config.json").read_text())
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
@@ -180,7 +180,7 @@ def test_kv_cache_dtype_and_bytes_reach_vllm_and_fp8_halves_the_bytes_a_token():
     from vllm.config.cache import CacheDType
 
     from app.config import KVCacheDType
-    from app.engine import kv_bytes_per_token
+    from app.engine.deployment import kv_bytes_per_token
     from app.frontend import engine_args
 
     assert set(typing.get_args(KVCacheDType)) <= set(typing.get_args(CacheDType))  # vLLM still takes each

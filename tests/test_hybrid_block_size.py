@@ -98,7 +98,7 @@ def test_the_router_predicts_the_hit_vllm_reports_at_the_block_size_the_engine_r
     assert relay.follow_group(hit_group(metadata), hit_block_size(metadata, CONFIGURED))
     # The router's state starts at the configured size; the replica's routing stats report the run size.
     state = RouterState(BlockIndex(), rng=random.Random(0), block_size=CONFIGURED)
-    state.block_size = RUN  # what app.router does with the replica's STAT_BLOCK_SIZE
+    state.block_size = RUN  # what app.router.prefix_affinity does with the replica's STAT_BLOCK_SIZE
     state.index.add_replica("r0")
     prompt = list(range(300, 300 + 4 * RUN + 5))
     _, events = _serve(manager, prompt, "a")

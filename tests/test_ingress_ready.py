@@ -16,8 +16,9 @@ import time
 
 import pytest
 
-from app import admin, auth, metrics
+from app import metrics
 from app.errors import ClientErrorLogFilter, OpenAIError, quiet_client_errors
+from app.ingress import admin, auth
 
 
 class _Probe(admin.AdminRoutes):

@@ -1,5 +1,5 @@
-"""A large body decoded a piece at a time is ``json.loads`` of it (``app.json_body``), and the
-fields whose validation would hold the GIL are bounded (``app.prepare.check_size``; issue 38, fault 5).
+"""A large body decoded a piece at a time is ``json.loads`` of it (``app.ingress.json_body``), and the
+fields whose validation would hold the GIL are bounded (``app.ingress.prepare.check_size``; issue 38, fault 5).
 
 The stall itself is measured by ``python -m bench.ingress_stall`` (``make bench``), not here.
 """
@@ -13,8 +13,8 @@ import pytest
 
 from app.config import AppArgs
 from app.errors import OpenAIError
-from app.json_body import MAX_ITEMS, MAX_SPLIT_DEPTH, PIECE_BYTES, decode_pieces
-from app.prepare import (
+from app.ingress.json_body import MAX_ITEMS, MAX_SPLIT_DEPTH, PIECE_BYTES, decode_pieces
+from app.ingress.prepare import (
     CHAT,
     CHAT_BATCH,
     COMPLETION,

@@ -16,7 +16,7 @@ import pytest
 
 from app.config import AppArgs
 from app.errors import OpenAIError
-from app.prepare import CHAT, COMPLETION, Preparer
+from app.ingress.prepare import CHAT, COMPLETION, Preparer
 from routing.block_keys import block_keys
 from routing.events import decode_batch
 from routing.relay import KeyRelay

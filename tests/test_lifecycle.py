@@ -71,7 +71,7 @@ def test_large_bodies_do_not_stall_other_requests(app):
     would hold the GIL for ~1 s: MAX_MESSAGE_ITEMS) and a chat at that limit (4,096
     parts). They are prepared off the serving loop: a concurrent request's TTFT
     grows by less than 100 ms."""
-    from app.prepare import MAX_MESSAGE_ITEMS
+    from app.ingress.prepare import MAX_MESSAGE_ITEMS
 
     def chat(parts: int) -> bytes:
         content = [{"type": "text", "text": "hi there, my good friend"}] * parts

@@ -193,7 +193,7 @@ def test_the_ingress_keys_a_request_by_the_path_its_adapter_runs_from() -> None:
 
     from app.config import AppArgs, resolve_path
     from app.frontend import Renderer
-    from app.prepare import Preparer
+    from app.ingress.prepare import Preparer
     from tests.conftest import deep_update, default_config
 
     args = AppArgs.model_validate(deep_update(default_config()["args"], {"serving": {

@@ -1,4 +1,4 @@
-"""The ingress's worker loop (``app.offload.WorkerLoop``): results, errors, context, cancellation, close."""
+"""The ingress's worker loop (``app.ingress.offload.WorkerLoop``): results, errors, context, cancellation, close."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from app.offload import WorkerLoop
+from app.ingress.offload import WorkerLoop
 
 CURRENT = contextvars.ContextVar("current", default=None)
 

@@ -11,7 +11,7 @@ import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 from ray.serve.exceptions import ReplicaUnavailableError
 
-from app.dispatch import caused_by_replica_loss
+from app.ingress.dispatch import caused_by_replica_loss
 
 
 def _chained(outer: BaseException, cause: BaseException) -> BaseException:

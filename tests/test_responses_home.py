@@ -1,5 +1,5 @@
 """Stored responses: their ids name their home replica, and the store is bounded (``app.home``,
-``app.frontend.bound_responses_store``); each API's answers written as vLLM writes them (``app.results``)."""
+``app.frontend.bound_responses_store``); each API's answers written as vLLM writes them (``app.ingress.results``)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_the_store_is_bounded_by_count_and_by_age():
     events are one entry: past ``max_entries`` the least recently used entry that is done goes
     whole, and an entry goes ``ttl_s`` after its last read or write, unless it runs in the background."""
     from app.config import ResponsesStoreConfig
-    from app.responses_store import bound_responses_store
+    from app.engine.responses_store import bound_responses_store
 
     serving = SimpleNamespace(enable_store=False, response_store={}, msg_store={}, event_store={},
                               background_tasks={})
@@ -101,7 +101,7 @@ def test_chained_turns_under_a_small_store_keep_their_whole_history_or_get_the_4
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest, ResponsesResponse
 
     from app.config import ResponsesStoreConfig
-    from app.responses_store import bound_responses_store
+    from app.engine.responses_store import bound_responses_store
 
     serving = responses_serving
     serving.response_store, serving.msg_store, serving.event_store = {}, {}, {}
@@ -165,8 +165,8 @@ def test_chained_turns_under_a_small_store_keep_their_whole_history_or_get_the_4
 def test_each_api_ends_its_stream_and_writes_its_errors_as_vllm_does(dialect_name, done):
     """A stream cut by a lost replica: chat/completions end with ``[DONE]``, Responses and Messages
     just end, each with its own error event; a refusal before the stream is each API's error JSON."""
-    from app import results, sse
     from app.errors import error_body
+    from app.ingress import results, sse
 
     dialect = getattr(results, dialect_name)
     body = error_body("engine error: ActorDiedError", 503)
@@ -206,7 +206,7 @@ def test_a_client_that_left_is_not_reported_as_a_server_error():
     that in an exception group (seen live: an ERROR log with a traceback per disconnect)."""
     from ray.exceptions import TaskCancelledError
 
-    from app.http_app import _client_left
+    from app.ingress.http_app import _client_left
 
     try:
         from builtins import ExceptionGroup  # Python 3.11+

@@ -1,4 +1,4 @@
-"""``app.router.PrefixAffinityRouter`` built as Serve builds it, without a cluster.
+"""``app.router.prefix_affinity.PrefixAffinityRouter`` built as Serve builds it, without a cluster.
 
 The router is Ray Serve's own ``RequestRouter`` subclass, constructed with Serve's
 real ``DeploymentID`` / ``RunningReplicaInfo`` / ``PendingRequest`` types; its
@@ -26,7 +26,7 @@ pytest.importorskip("ray.serve")
 def make_router(**kwargs):
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    from app.router import PrefixAffinityRouter
+    from app.router.prefix_affinity import PrefixAffinityRouter
 
     router = PrefixAffinityRouter(DeploymentID(name="VLLMEngine", app_name="prefix-serve"),
                                   DeploymentHandleSource.REPLICA)
@@ -170,10 +170,10 @@ async def test_a_dead_relay_delays_requests_only_within_its_wait_budget(routers,
     """A followed replica whose relay never answers is waited for once, not on every request."""
     import time
 
-    import app.router
+    import app.router.prefix_affinity
     from app.protocol import STAT_EVENTS_ENDPOINT, STAT_SNAPSHOT_ENDPOINT
 
-    monkeypatch.setattr(app.router, "SNAPSHOT_WAIT_S", 0.5)
+    monkeypatch.setattr(app.router.prefix_affinity, "SNAPSHOT_WAIT_S", 0.5)
     router = routers(block_size=32)
     nobody = "tcp://127.0.0.1:9"  # nothing listens: the snapshot never comes
     dead = replica("a", {STAT_EVENTS_ENDPOINT: nobody, STAT_SNAPSHOT_ENDPOINT: nobody})

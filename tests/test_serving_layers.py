@@ -15,9 +15,10 @@ from http import HTTPStatus
 
 import pytest
 
-from app import metrics, results, sse
+from app import metrics
+from app.engine.probe import CURRENT, RequestProbe, StreamErrorsObserved
 from app.errors import OpenAIError, error_body
-from app.probe import CURRENT, RequestProbe, StreamErrorsObserved
+from app.ingress import results, sse
 from app.protocol import IDS_INTO_KV_TRANSFER_PARAMS, IDS_INTO_PROMPT, Accepted, EngineRequest, StreamError
 
 ROUTE = "/v1/test"
@@ -216,7 +217,7 @@ def test_a_streamed_answers_span_ends_with_its_stream_not_when_create_returns(mo
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from app import tracing
-    from app.serving import OpenAIServing
+    from app.ingress.serving import OpenAIServing
 
     provider, exported = TracerProvider(), InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(exported))
@@ -278,7 +279,7 @@ def test_a_client_gone_before_its_stream_had_news_is_counted_499_and_ends_the_st
 
 
 def _refused(body, max_values=None) -> OpenAIError:
-    from app.prepare import check_text_encodable
+    from app.ingress.prepare import check_text_encodable
 
     with pytest.raises(OpenAIError) as refused:
         check_text_encodable(body, max_values=max_values)
@@ -299,7 +300,7 @@ def test_a_handle_body_that_contains_itself_is_refused():
 def test_a_handle_body_that_shares_its_parts_is_counted_as_it_expands_and_walked_once():
     """``[l, l]`` nested 40 deep is 42 objects in memory and 3 * 2**40 - 1 values once expanded
     (what pydantic would validate): refused at the first level past the limit, at once."""
-    from app.prepare import check_text_encodable
+    from app.ingress.prepare import check_text_encodable
 
     part: list = ["x"]
     levels = [part]

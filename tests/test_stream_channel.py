@@ -1,5 +1,5 @@
 """The stream channel (``app.stream_channel``) over real ZMQ sockets, and the dispatcher's reading of it
-(``app.dispatch.Dispatcher._channel_items``): order, keys, bad frames, a gone ingress, late items."""
+(``app.ingress.dispatch.Dispatcher._channel_items``): order, keys, bad frames, a gone ingress, late items."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import zmq
 
-from app.dispatch import LATE_ITEMS_S, Dispatcher, _Call
+from app.ingress.dispatch import LATE_ITEMS_S, Dispatcher, _Call
 from app.protocol import Accepted, EngineSummary, FirstOutput, StreamError
 from app.stream_channel import ChannelClosed, StreamInbox, StreamOutbox, decode, encode
 
@@ -207,7 +207,7 @@ def test_a_refusal_through_the_call_ends_the_stream_and_a_reader_that_leaves_can
 
 
 def test_a_call_that_returned_without_its_streams_end_fails_after_the_wait(monkeypatch):
-    import app.dispatch as dispatch
+    import app.ingress.dispatch as dispatch
 
     monkeypatch.setattr(dispatch, "LATE_ITEMS_S", 0.2)
     assert LATE_ITEMS_S == 5.0

@@ -2,7 +2,7 @@
 fault 5), with the very result and errors of vLLM's model on the whole body.
 
 Through the ingress's ``Preparer.request`` (the body decoded a piece at a time, ``check_size``,
-``app.prepare.token_prompts_request``), every body must give what
+``app.ingress.prepare.token_prompts_request``), every body must give what
 ``CompletionRequest.model_validate(json.loads(raw))`` gives: the same request, or the same first
 error. How long the serving loop stalls during such a body is measured by
 ``python -m bench.ingress_stall`` (``make bench``), not here.
@@ -17,7 +17,7 @@ import pytest
 
 from app.config import AppArgs
 from app.errors import OpenAIError
-from app.prepare import COMPLETION, PIECEWISE_BODY_BYTES, PIECEWISE_PROMPT_IDS, Preparer, token_prompts_request
+from app.ingress.prepare import COMPLETION, PIECEWISE_BODY_BYTES, PIECEWISE_PROMPT_IDS, Preparer, token_prompts_request
 
 pytest.importorskip("vllm.entrypoints.openai.completion.protocol")
 from pydantic import ValidationError  # noqa: E402

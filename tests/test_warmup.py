@@ -1,4 +1,4 @@
-"""Warm-up at start (``app.warmup``) on the default two-engine app: four 3,072-token system prompts.
+"""Warm-up at start (``app.ingress.warmup``) on the default two-engine app: four 3,072-token system prompts.
 
 The app starts with four system prompts in ``warmup`` (the first with ``copies: 2``). Expected
 values come from vLLM's own tokenizer route (``/tokenize``), not from the warm-up:

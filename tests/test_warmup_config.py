@@ -10,8 +10,8 @@ import pytest
 
 from app.builder import build_app
 from app.config import AppArgs, WarmupConfig, WarmupPrompt, parse_app_args
-from app.prepare import CHAT, COMPLETION
-from app.warmup import request_body
+from app.ingress.prepare import CHAT, COMPLETION
+from app.ingress.warmup import request_body
 from routing.candidate_set import Candidate, CandidateSet
 
 
@@ -109,7 +109,7 @@ class _Serving:
 def _warmup(serving, copies: list[int], live):
     import asyncio
 
-    from app.warmup import Warmup
+    from app.ingress.warmup import Warmup
 
     cfg = AppArgs.model_validate({"warmup": {"rewarm": False, "prompts": [
         {"name": f"p{i}", "prompt_token_ids": [1, 2, 3], "copies": c} for i, c in enumerate(copies)]}})
@@ -192,7 +192,7 @@ def test_blank_names_lax_ids_and_unbounded_copies_are_refused():
 
 
 class _Router:
-    """A request router's re-warm calls as the warm-up makes them (``app.router.PrefixAffinityRouter``'s
+    """A request router's re-warm calls as the warm-up makes them (``app.router.prefix_affinity.PrefixAffinityRouter``'s
     ``ask`` and ``rewarm_*``), over a scripted book: one join and one leave. A stand-in: the live path is
     in tests/test_autoscaling.py, the router's own side in tests/test_router_glue.py."""
 
@@ -224,7 +224,7 @@ class _Router:
 def _rewarm(serving, router, gone_after: int | None = None):
     import asyncio
 
-    from app.warmup import Warmup
+    from app.ingress.warmup import Warmup
 
     cfg = AppArgs.model_validate({"warmup": {"prompts": [{"name": "sys", "prompt_token_ids": [1, 2, 3]}],
                                              "rewarm_tokens": 4096}})

@@ -5,7 +5,7 @@ Usage::
     python -m bench.ab [--routers ours,pow2,round_robin,ray_prefix] [--locustfile locustfiles/shared_prefix.py]
                        [--users 8] [--spawn-rate 4] [--run-time 60] [--seed 0] [--out reports/ab]
 
-For each router in the list (``ours`` = ``app.router:PrefixAffinityRouter`` with the
+For each router in the list (``ours`` = ``app.router.prefix_affinity:PrefixAffinityRouter`` with the
 config's kwargs; ``pow2`` = Serve's default ``PowerOfTwoChoicesRequestRouter``;
 ``round_robin`` = ``bench.ab_routers:RoundRobinRouter``; ``ray_prefix`` = Ray's
 ``PrefixCacheAffinityRouter`` via ``bench.ab_ray_router``), the harness

@@ -17,13 +17,13 @@ from bench.ab.common import LOOPBACK, log
 from infra import ray_env
 
 ROUTERS: dict[str, str | None] = {
-    "ours": None,  # the config's own request_router_config (app.router:PrefixAffinityRouter)
+    "ours": None,  # the config's own request_router_config (app.router.prefix_affinity:PrefixAffinityRouter)
     # Serve's default, power of two choices: a dotted path (the field also takes a class).
     "pow2": cast(str, RequestRouterConfig().request_router_class),
     "round_robin": "bench.ab_routers:RoundRobinRouter",
     "ray_prefix": "bench.ab_ray_router:RayPrefixCacheAffinityRouter",
 }
-OURS_CLASS = "app.router:PrefixAffinityRouter"
+OURS_CLASS = "app.router.prefix_affinity:PrefixAffinityRouter"
 ENGINE_DEPLOYMENT = "VLLMEngine"
 
 

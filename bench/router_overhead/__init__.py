@@ -64,7 +64,7 @@ throughput, or ours over Dynamo's latency):
   sides taking turns by chunks of 25 prompts so that both see the machine in
   the same state (it is shared: p99s move from run to run):
 
-  - ours: the live router's code path (``app/router.py``): ``block_keys`` of
+  - ours: the live router's code path (``app/router/prefix_affinity.py``): ``block_keys`` of
     the prompt + one ``Candidate`` per replica + ``RouterState.choose``
     (``BlockIndex.match``, a ``ReplicaView`` per candidate, ``choose_replica``),
     default ``RouterConfig`` knobs;

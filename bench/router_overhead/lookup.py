@@ -51,7 +51,7 @@ def bench_lookup(index: BlockIndex, docs: Sequence[Sequence[int]], block_size: i
                  dynamo: tuple[Any, Any] | None = None, host_tier: bool = False) -> dict:
     """Per-request router work for ``n`` prompts of ``prompt_len`` tokens, on the live router's code path.
 
-    Timed as the lookup, as ``app/router.py`` runs it per request (``_our_lookup``),
+    Timed as the lookup, as ``app/router/prefix_affinity.py`` runs it per request (``_our_lookup``),
     with the default ``RouterConfig`` knobs.  With ``blind_window``, also, timed
     apart as ``routed``: what the router does once the request is sent.  Without
     it the index holds only the engines' blocks (the issue's definition of the
@@ -105,7 +105,7 @@ def _router_under_load(index: BlockIndex, replicas: tuple[str, ...], prompt_len:
         # num_gpu_blocks as every engine reports it (free blocks are then scored): half its blocks held.
         stats[rid] = {"num_running": len(entry.requests), "num_waiting": rng.randrange(2),
                       "kv_cache_usage": rng.random(), "num_gpu_blocks": 2 * index.replica_blocks(rid) + 1}
-        if host_tier:  # a 32 GiB tier of Qwen2.5-7B's 57,344-byte tokens, as app.engine reports it
+        if host_tier:  # a 32 GiB tier of Qwen2.5-7B's 57,344-byte tokens, as app.engine.deployment reports it
             stats[rid].update(num_host_blocks=37_449, kv_bytes_per_token=57_344, host_blocks_per_chunk=1)
     return router, feeds, stats
 

@@ -118,7 +118,7 @@ class StatsScraper:
     def _read(r: Replica) -> dict[str, Any]:
         stats = {"num_running": r.num_running, "num_waiting": r.num_waiting, "kv_cache_usage": r.kv_usage,
                  "num_gpu_blocks": r.cfg.num_blocks}
-        if r.host is not None:  # what the engine replica reports with a host tier (app.engine)
+        if r.host is not None:  # what the engine replica reports with a host tier (app.engine.deployment)
             stats.update(num_host_blocks=r.cfg.host_blocks, kv_bytes_per_token=r.latency.model.kv_bytes_per_token,
                          host_blocks_per_chunk=1)
         return stats

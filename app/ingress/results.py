@@ -2,7 +2,7 @@
 
 vLLM's serving classes answer with a union: an ``ErrorResponse``, a response model,
 or (a stream) an async iterator of SSE strings. The ingress's serving layer
-(``app.serving``) answers with one of three results instead:
+(``app.ingress.serving``) answers with one of three results instead:
 
 - ``Failed``: vLLM's ``ErrorResponse`` (or one made the same way); the status is its ``error.code``.
 - ``Whole``: vLLM's response model (``ChatCompletionResponse``, ``CompletionResponse``,
@@ -14,7 +14,7 @@ or (a stream) an async iterator of SSE strings. The ingress's serving layer
   or Messages stream just ends, as vLLM's do (each API's ``Dialect``).
 
 ``from_vllm`` is the one place that tells vLLM's error apart from its answer.
-``respond`` maps a result to HTTP (JSON with its status, or SSE through ``app.sse``)
+``respond`` maps a result to HTTP (JSON with its status, or SSE through ``app.ingress.sse``)
 and counts it in ``prefix_serve_requests_total{route, status}``; ``response_of`` and
 ``chunks_of`` give handle callers vLLM's models, raising ``OpenAIError`` for an error.
 """
@@ -172,11 +172,11 @@ async def respond(route: str, answer: Awaitable[Result], keepalive_s: float, dia
 
     ``prefix_serve_requests_total{route, status}`` counts what the client saw: the
     status, the error event's status for a stream that ended by one, ``499`` for a
-    client that went away first (a stream counts itself when it ends, ``app.sse``).
+    client that went away first (a stream counts itself when it ends, ``app.ingress.sse``).
     An exception ``answer`` raises (``OpenAIError``, such as a 413) is counted and
     left to the app's exception handlers. ``dialect``: how the API writes answers and errors.
     """
-    from app import sse
+    from app.ingress import sse
 
     try:
         result = await answer

@@ -6,7 +6,7 @@ reports each call to the ``RequestProbe`` of the request being served (found in
 the ``CURRENT`` context variable, set by ``VLLMEngine._serve``): the first output,
 prompt/cached/output token counts, queue time and vLLM's first-token latency.
 
-Kept apart from ``app.engine``: Serve pickles the deployment class by value, and
+Kept apart from ``app.engine.deployment``: Serve pickles the deployment class by value, and
 a context variable cannot be pickled; this module is imported by reference.
 """
 

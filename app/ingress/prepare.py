@@ -2,7 +2,7 @@
 
 ``Preparer.prepare(kind, body, stream)`` takes an HTTP body (bytes) or a handle
 caller's dict or vLLM request model and returns the ``EngineRequest`` (``app.protocol``)
-the request router and the engine replica need, or ``Failed`` (``app.results``) with
+the request router and the engine replica need, or ``Failed`` (``app.ingress.results``) with
 the error vLLM's server would give:
 
 1. the body is JSON text that is valid Unicode (a lone surrogate escape is refused,
@@ -38,9 +38,9 @@ from app import tracing
 from app.config import AppArgs
 from app.errors import OpenAIError
 from app.home import home_of
-from app.json_body import decode_pieces
+from app.ingress.json_body import decode_pieces
+from app.ingress.results import Failed, from_vllm
 from app.protocol import IDS_INTO_KV_TRANSFER_PARAMS, IDS_INTO_PROMPT, EngineRequest, StoredResponseCall
-from app.results import Failed, from_vllm
 
 CHAT, COMPLETION = "chat", "completions"
 """The two generate kinds of OpenAI's first API (also the engine deployment's method names)."""
@@ -60,7 +60,7 @@ _TokenId = Annotated[int, msgspec.Meta(ge=0)]  # vLLM's CompletionRequest: list[
 _TOKEN_PROMPT = TypeAdapter(list[Annotated[int, Field(ge=0)]])
 """pydantic's check of one token-id prompt: vLLM's type (``CompletionRequest.prompt``)."""
 PIECEWISE_BODY_BYTES = 64 * 1024
-"""HTTP bodies larger than this are decoded a piece at a time (``app.json_body.decode_pieces``)."""
+"""HTTP bodies larger than this are decoded a piece at a time (``app.ingress.json_body.decode_pieces``)."""
 PIECEWISE_PROMPT_IDS = 16_384
 """A completion's token-id prompts with more ids than this in all are validated a prompt at a time
 (``token_prompts_request``); 16 K ids take pydantic about 1 ms."""
@@ -435,9 +435,9 @@ def decode(raw: bytes | bytearray) -> dict[str, Any]:
     """The JSON object of an HTTP body; raises ``OpenAIError`` (400) saying why not.
 
     Text that is not valid Unicode (a lone surrogate escape) is refused with its field named.
-    A body over ``PIECEWISE_BODY_BYTES`` is decoded a piece at a time (``app.json_body``).
+    A body over ``PIECEWISE_BODY_BYTES`` is decoded a piece at a time (``app.ingress.json_body``).
     """
-    if len(raw) > PIECEWISE_BODY_BYTES:  # no one call holds the GIL for all of it (app.json_body)
+    if len(raw) > PIECEWISE_BODY_BYTES:  # no one call holds the GIL for all of it (app.ingress.json_body)
         return _object(decode_pieces(raw), check_text=_may_hold_surrogates(raw))
     try:
         body = json.loads(raw)

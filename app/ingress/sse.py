@@ -27,8 +27,8 @@ from fastapi.responses import StreamingResponse
 from starlette.responses import Response
 
 from app import metrics
+from app.ingress.results import CLIENT_CLOSED, DONE, OPENAI, Dialect, JSONResponse, StreamEvent
 from app.protocol import Accepted, StreamError
-from app.results import CLIENT_CLOSED, DONE, OPENAI, Dialect, JSONResponse, StreamEvent
 
 KEEPALIVE = ": keep-alive\n\n"  # vLLM's SSE_KEEP_ALIVE_COMMENT: clients skip it, proxies see bytes flow
 
@@ -37,7 +37,7 @@ async def respond(events: AsyncIterator[StreamEvent], route: str, keepalive_s: f
                   dialect: Dialect = OPENAI) -> Response:
     """The HTTP response of a stream (see the module doc); counted in
     ``prefix_serve_requests_total{route, status}`` when it ends. ``dialect``: the API's error
-    shape and stream end (``app.results.Dialect``)."""
+    shape and stream end (``app.ingress.results.Dialect``)."""
     keepalive = keepalive_s or None
     committed = False
     asked = _ask(events)

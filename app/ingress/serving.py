@@ -1,15 +1,15 @@
 """The ingress's serving layer: one OpenAI request in, one typed result out.
 
 ``OpenAIServing`` is to the ingress what vLLM's ``OpenAIServingChat`` is to vLLM's
-server: the HTTP routes and the handle methods (``app.ingress``) call it and only
-map its result (``app.results``) to JSON, SSE or a model. For a generate request
+server: the HTTP routes and the handle methods (``app.ingress.deployment``) call it and only
+map its result (``app.ingress.results``) to JSON, SSE or a model. For a generate request
 (``create``) it:
 
-1. prepares the request (``app.prepare``: parse, validate, check the model, render
-   and tokenize once), on a worker loop (``app.offload``) unless it is a small HTTP
+1. prepares the request (``app.ingress.prepare``: parse, validate, check the model, render
+   and tokenize once), on a worker loop (``app.ingress.offload``) unless it is a small HTTP
    body (``INLINE_BODY_BYTES``), so a large one never stalls this replica's other
    requests, nor waits behind them;
-2. sends it to an engine replica and follows the answer (``app.dispatch``: the
+2. sends it to an engine replica and follows the answer (``app.ingress.dispatch``: the
    prefix-affinity router picks the replica; retry on replica loss, the deadline,
    metrics);
 3. answers ``Failed``, ``Whole`` or ``Streamed``; a failed engine call is an answer
@@ -30,12 +30,22 @@ from ray.serve.handle import DeploymentHandle
 
 from app import adapters, tracing
 from app.config import AppArgs
-from app.dispatch import Dispatcher
 from app.errors import error_body
-from app.offload import WorkerLoop
-from app.prepare import CANCEL, CHAT, CHAT_BATCH, COMPLETION, MESSAGES, RESPONSES, RETRIEVE, Preparer, decode, refusal
-from app.protocol import EngineRequest, StreamError
-from app.results import (
+from app.ingress.dispatch import Dispatcher
+from app.ingress.offload import WorkerLoop
+from app.ingress.prepare import (
+    CANCEL,
+    CHAT,
+    CHAT_BATCH,
+    COMPLETION,
+    MESSAGES,
+    RESPONSES,
+    RETRIEVE,
+    Preparer,
+    decode,
+    refusal,
+)
+from app.ingress.results import (
     ANTHROPIC,
     DONE,
     OPENAI,
@@ -49,6 +59,7 @@ from app.results import (
     from_vllm,
     stream_error,
 )
+from app.protocol import EngineRequest, StreamError
 from app.stream_channel import StreamInbox
 
 logger = logging.getLogger("prefix_serve.ingress")
@@ -59,7 +70,7 @@ _SPAN_OPERATION = {CHAT: "chat", CHAT_BATCH: "chat", COMPLETION: "text_completio
                    RETRIEVE: "retrieve_response", CANCEL: "cancel_response"}
 DIALECTS: dict[str, Dialect] = {CHAT: OPENAI, CHAT_BATCH: OPENAI, COMPLETION: OPENAI, RESPONSES: RESPONSES_API,
                                 RETRIEVE: RESPONSES_API, CANCEL: RESPONSES_API, MESSAGES: ANTHROPIC}
-"""How each kind's answers are written (``app.results.Dialect``)."""
+"""How each kind's answers are written (``app.ingress.results.Dialect``)."""
 
 
 class OpenAIServing:

@@ -4,7 +4,7 @@
 (``chat`` or ``completions``, streamed), whose prefix-affinity request router picks
 the replica, and yields the answer's items for the serving layer: ``Accepted``, vLLM's
 SSE strings and ``StreamError`` of a stream, then the answer's end: ``DONE`` for a
-stream, ``Whole`` or ``Failed`` (``app.results``) for a whole answer or a refusal;
+stream, ``Whole`` or ``Failed`` (``app.ingress.results``) for a whole answer or a refusal;
 ``Failed`` also for a call that failed (a lost replica, 503; the deadline, 504), so the
 caller catches nothing.
 
@@ -33,8 +33,8 @@ from ray.serve.handle import DeploymentHandle
 
 from app import metrics
 from app.errors import OpenAIError
+from app.ingress.results import Failed, from_vllm
 from app.protocol import Accepted, EngineRequest, EngineSummary, FirstOutput
-from app.results import Failed, from_vllm
 from app.stream_channel import Mailbox, StreamInbox
 
 logger = logging.getLogger("prefix_serve.ingress")
@@ -86,7 +86,7 @@ class Dispatcher:
     async def answer(self, kind: str, ereq: EngineRequest, span: Any, deadline: float,
                      summaries: list[EngineSummary] | None = None) -> AsyncIterator[Any]:
         """The answer's items (see module doc), with TTFT/ITL/E2E and usage recorded (a warm request's,
-        ``ereq.warmup``, on its span only: ``app.warmup`` counts them apart).
+        ``ereq.warmup``, on its span only: ``app.ingress.warmup`` counts them apart).
 
         The last item's metrics are recorded before it is passed on: a client that
         closes the connection as soon as it has ``[DONE]`` still counts. ``summaries``, if

@@ -1,9 +1,9 @@
 """The ingress's routes beside the generate API: probes, debug, metrics, models and the tokenizer.
 
-``AdminRoutes`` is a base class of ``app.ingress.OpenAIIngress`` (Serve's class-based
+``AdminRoutes`` is a base class of ``app.ingress.deployment.OpenAIIngress`` (Serve's class-based
 ingress mounts the routes of every class in its MRO). It reads ``self.engine`` (the
-engine deployment's handle), ``self.serving`` (``app.serving.OpenAIServing``),
-``self.announcer`` (``app.ingress_targets.Announcer``) and ``self.args``.
+engine deployment's handle), ``self.serving`` (``app.ingress.serving.OpenAIServing``),
+``self.announcer`` (``app.ingress.targets.Announcer``) and ``self.args``.
 
 - ``GET /health``: liveness (this ingress replica is up; the engines may still be loading);
   ``GET|POST /ping`` the same, as vLLM answers it; ``GET /version``: vLLM's version.
@@ -11,7 +11,7 @@ engine deployment's handle), ``self.serving`` (``app.serving.OpenAIServing``),
 - ``POST /v1/load_lora_adapter``, ``/v1/unload_lora_adapter``: vLLM's runtime adapter routes, on
   every engine replica (``app.adapters``);
 - ``GET /load``: vLLM's server load, per engine replica and in sum; ``POST /reset_prefix_cache``:
-  vLLM's reset, on every engine replica (``app.broadcast``).
+  vLLM's reset, on every engine replica (``app.ingress.broadcast``).
 - ``GET /debug/routing``, ``GET /debug/routing/decisions/{id}``: the routers' state and
   a request's routing decision.
 - ``GET /metrics``: this replica's Prometheus metrics; ``GET /metrics/engines`` and
@@ -33,8 +33,8 @@ from starlette.responses import Response
 
 from app import metrics
 from app.errors import OpenAIError, error_body
-from app.http_app import fastapi_app, read_body
-from app.results import JSONResponse, json_response
+from app.ingress.http_app import fastapi_app, read_body
+from app.ingress.results import JSONResponse, json_response
 
 logger = logging.getLogger("prefix_serve.ingress")
 READY_ENGINE_TIMEOUT_S = 2.0
@@ -95,7 +95,7 @@ class AdminRoutes:
         """vLLM's ``/load`` (``{"server_load": requests in flight}``), summed over the engine replicas,
         with each replica's own figure under ``replicas``: its running and waiting requests as it last
         reported them to the routers (about every 10 s: Serve's routing-stats period)."""
-        from app.broadcast import replica_ids
+        from app.ingress.broadcast import replica_ids
 
         await replica_ids(self.engine)  # a router exists from here on
         loads: dict[str, int] = {}
@@ -108,14 +108,14 @@ class AdminRoutes:
     @fastapi_app.post("/reset_prefix_cache")
     async def reset_prefix_cache(self, reset_running_requests: bool = False,
                                  reset_external: bool = False) -> dict[str, Any]:
-        """vLLM's ``/reset_prefix_cache`` on every engine replica (``app.broadcast``): ``{"success": true}``
+        """vLLM's ``/reset_prefix_cache`` on every engine replica (``app.ingress.broadcast``): ``{"success": true}``
         when each one reset, with each replica's answer under ``replicas``. vLLM refuses a reset
         (``success: false``) while blocks are held by running requests, unless ``reset_running_requests``;
         ``reset_external`` also resets the host-memory tier. Each engine publishes ``AllBlocksCleared``:
         every router's index drops the replica's blocks. A replica that refused is asked again, up to
         ``RESET_TRIES`` times ``RESET_RETRY_S`` apart (vLLM: "callers may retry"): blocks of requests that
         just ended can still be held for a step."""
-        from app.broadcast import to_every_replica
+        from app.ingress.broadcast import to_every_replica
 
         body = {"reset_running_requests": reset_running_requests, "reset_external": reset_external}
         answers = await to_every_replica(self.engine, "reset_prefix_cache", body)
@@ -147,8 +147,8 @@ class AdminRoutes:
         from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
         from app import adapters
-        from app.broadcast import to_every_replica
-        from app.prepare import decode, validation_error
+        from app.ingress.broadcast import to_every_replica
+        from app.ingress.prepare import decode, validation_error
 
         if not self.args.serving.allow_runtime_lora_updating:
             raise OpenAIError(f"Not Found: no route POST {request.url.path} (runtime LoRA updating is off: "
@@ -161,7 +161,7 @@ class AdminRoutes:
             return json_response(validation_error(e))
         only = fields.get("replicas") if op == "load" else None
         if only is not None:  # this app's extension: these replicas only, and no replica started later
-            from app.broadcast import replica_ids
+            from app.ingress.broadcast import replica_ids
 
             running = await replica_ids(self.engine)
             if not isinstance(only, list) or not only or not all(isinstance(u, str) for u in only):
@@ -207,7 +207,7 @@ class AdminRoutes:
         once the engines can serve and every request router of this process is
         subscribed (every engine replica it knows loaded, warmed up, its KV-event
         snapshot applied) and the configured warm-up prompts are prefilled
-        (``app.warmup``; ``"warmup": {"state", "done", "total", "requests_done", "failed", "short",
+        (``app.ingress.warmup``; ``"warmup": {"state", "done", "total", "requests_done", "failed", "short",
         "prefill_tokens"}``, and per prompt its holders once done); with re-warm on, ``"rewarm": {"joins",
         "leaves", "recent": [each join or leave: its replica, state, requests and prefill tokens]}``;
         otherwise 503 with an OpenAI error body (``ServiceUnavailableError``) whose message
@@ -224,7 +224,7 @@ class AdminRoutes:
 
     async def _readiness(self) -> tuple[bool, dict[str, Any]]:
         """``(ready, detail)``: the router's readiness (``_router_readiness``), then the warm-up's
-        (``app.warmup``, when this ingress has one): not ready while it runs, ``detail["warmup"]``
+        (``app.ingress.warmup``, when this ingress has one): not ready while it runs, ``detail["warmup"]``
         saying how far it got."""
         ready, detail = await self._router_readiness()
         warmup = getattr(self, "warmup", None)
@@ -340,7 +340,7 @@ class AdminRoutes:
     @fastapi_app.get("/metrics/ingresses")
     async def ingress_metrics_targets(self) -> list[dict[str, Any]]:
         """Ingress replicas' own metrics endpoints in Prometheus ``http_sd_configs``
-        format, each labelled ``replica`` (``app.ingress_targets``)."""
+        format, each labelled ``replica`` (``app.ingress.targets``)."""
         return sd_targets(await self.announcer.targets())
 
     @fastapi_app.get("/v1/models")

@@ -4,16 +4,16 @@ The engine replicas answer with vLLM's own OpenAI serving classes (``app.fronten
 so every request parameter vLLM supports behaves as on vLLM's server and every
 answer is vLLM's own. The ingress is layered as vLLM's API server is:
 
-- ``app.serving``: the serving layer. It prepares a request (``app.prepare``: vLLM's
+- ``app.ingress.serving``: the serving layer. It prepares a request (``app.ingress.prepare``: vLLM's
   request model, the model check, rendering and tokenizing once with vLLM's renderer),
   sends it through the engine ``DeploymentHandle``, whose prefix-affinity request
-  router reads the token ids to pick the replica (``app.dispatch``: retry, deadline,
-  metrics), and answers with one typed result (``app.results``): an error, a whole
+  router reads the token ids to pick the replica (``app.ingress.dispatch``: retry, deadline,
+  metrics), and answers with one typed result (``app.ingress.results``): an error, a whole
   response, or a stream of vLLM's own chunks.
 - this module: the Serve deployment, and routes that map that result to JSON or SSE
-  (``app.results.respond``, ``app.sse``) or, for handle callers, to vLLM's models;
-- ``app.admin``: probes, debug, metrics, the model list and the tokenizer routes;
-- ``app.http_app``: the FastAPI app, its error handlers and the API-key middleware.
+  (``app.ingress.results.respond``, ``app.ingress.sse``) or, for handle callers, to vLLM's models;
+- ``app.ingress.admin``: probes, debug, metrics, the model list and the tokenizer routes;
+- ``app.ingress.http_app``: the FastAPI app, its error handlers and the API-key middleware.
 
 HTTP routes here: ``POST /v1/chat/completions``, ``/v1/chat/completions/batch``, ``/v1/responses``
 (with ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``), ``/v1/messages`` (with
@@ -49,16 +49,17 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import Response
 
-from app import auth, metrics, metrics_server, node_address, results, tracing
-from app.admin import METRICS_PATHS, PUBLIC_PATHS, AdminRoutes, ask_router
+from app import metrics, metrics_server, node_address, tracing
 from app.config import AppArgs
 from app.errors import quiet_client_errors
-from app.http_app import fastapi_app, read_body
-from app.ingress_targets import Announcer
-from app.prepare import CANCEL, CHAT, CHAT_BATCH, COMPLETION, MESSAGES, RESPONSES, RETRIEVE
-from app.serving import DIALECTS, OpenAIServing
+from app.ingress import auth, results
+from app.ingress.admin import METRICS_PATHS, PUBLIC_PATHS, AdminRoutes, ask_router
+from app.ingress.http_app import fastapi_app, read_body
+from app.ingress.prepare import CANCEL, CHAT, CHAT_BATCH, COMPLETION, MESSAGES, RESPONSES, RETRIEVE
+from app.ingress.serving import DIALECTS, OpenAIServing
+from app.ingress.targets import Announcer
+from app.ingress.warmup import Warmup
 from app.stream_channel import StreamInbox
-from app.warmup import Warmup
 from infra import ray_env
 
 logger = logging.getLogger("prefix_serve.ingress")
@@ -100,7 +101,7 @@ class OpenAIIngress(AdminRoutes):
         for route in ROUTES.values():
             for status in results.STATUSES:
                 metrics.REQUESTS.labels(route=route, status=status)
-        # The configured prefixes, prefilled once the router is ready; /ready waits for them (app.warmup).
+        # The configured prefixes, prefilled once the router is ready; /ready waits for them (app.ingress.warmup).
         self.warmup = Warmup(self.serving, self.args, self._router_ready, self._engine_replica_ids,
                              lambda: list(metrics.ROUTERS))
         try:

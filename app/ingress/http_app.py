@@ -9,7 +9,7 @@ Every error a client gets is OpenAI's JSON shape (``app.errors``) with its statu
 - anything unexpected: 500 ``internal error: <type>``, logged with its traceback (no
   secrets in the message).
 
-The routes are methods of ``app.ingress.OpenAIIngress`` and of ``app.admin.AdminRoutes``
+The routes are methods of ``app.ingress.deployment.OpenAIIngress`` and of ``app.ingress.admin.AdminRoutes``
 (Serve's class-based ingress mounts every method of the class's MRO registered here).
 """
 
@@ -22,9 +22,9 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app import auth
 from app.errors import OpenAIError, error_body
-from app.results import JSONResponse
+from app.ingress import auth
+from app.ingress.results import JSONResponse
 
 logger = logging.getLogger("prefix_serve.ingress")
 
@@ -82,7 +82,7 @@ def _client_left(exc: BaseException) -> bool:
 
 
 class APIKeyMiddleware:
-    """The bearer API key (``app.auth``) as a plain ASGI middleware: a refused request gets its 401 here;
+    """The bearer API key (``app.ingress.auth``) as a plain ASGI middleware: a refused request gets its 401 here;
     every other message passes through untouched. Not Starlette's ``BaseHTTPMiddleware`` (what
     ``@app.middleware("http")`` makes), which copies each chunk of a streamed answer through a memory
     stream and a task of its own: measured, about a seventh of the ingress's Python work a token."""

@@ -36,8 +36,8 @@ from typing import Any
 from ray import serve
 
 from app import adapters, metrics_server, node_address, tracing
-from app import probe as request_probe
 from app.config import AppArgs
+from app.engine import probe as request_probe
 from app.home import home_id
 from app.protocol import (
     STAT_BLOCK_SIZE,
@@ -245,7 +245,7 @@ class VLLMEngine:
 
     async def lora_adapter(self, request: EngineRequest) -> dict[str, Any]:
         """Load or unload an adapter on this replica, if it is the one ``request.home_replica`` names
-        (``app.broadcast``): ``request.body`` is ``("load", vLLM's LoadLoRAAdapterRequest)`` or ``("unload",
+        (``app.ingress.broadcast``): ``request.body`` is ``("load", vLLM's LoadLoRAAdapterRequest)`` or ``("unload",
         UnloadLoRAAdapterRequest)``. Answers ``{"ok": vLLM's message}`` or ``{"error": vLLM's ErrorResponse}``."""
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
@@ -491,7 +491,7 @@ class VLLMEngine:
     async def reset_prefix_cache(self, request: EngineRequest) -> dict[str, Any]:
         """vLLM's ``reset_prefix_cache`` on this engine (``request.body``: ``{"reset_running_requests",
         "reset_external"}``, vLLM's query parameters), if this is the replica ``request.home_replica``
-        names (``app.broadcast``). The engine publishes ``AllBlocksCleared``, so every router's index
+        names (``app.ingress.broadcast``). The engine publishes ``AllBlocksCleared``, so every router's index
         drops this replica's blocks. Answers ``{"success": bool}`` (``"misrouted": true`` if not named)."""
         if request.home_replica != self.replica_id:
             return {"success": False, "misrouted": True}

@@ -3,7 +3,7 @@
 The key is read from the environment variable named by ``AppArgs.api_key_env``
 (default ``PREFIX_SERVE_API_KEY``) in each ingress process; it is never part of
 the app args, logs or spans. Comparison is constant-time (``hmac.compare_digest``).
-State lives in this module, not in ``app.ingress``: Serve pickles the FastAPI app
+State lives in this module, not in ``app.ingress.deployment``: Serve pickles the FastAPI app
 (and the middleware with it) by value, so only a module imported by reference is
 shared with the replica that configures it.
 """

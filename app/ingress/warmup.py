@@ -6,7 +6,7 @@ engine replicas should hold it. Each ingress replica runs one ``Warmup``:
 
 - it waits until the request router is ready (the engines are up, warmed and their block
   snapshots applied: the rest of ``/ready``), then sends each prompt as a request with
-  ``max_tokens: 1`` through the same path as a client's (``app.prepare``, ``app.dispatch``,
+  ``max_tokens: 1`` through the same path as a client's (``app.ingress.prepare``, ``app.ingress.dispatch``,
   the prefix-affinity router), at most ``concurrency`` at once;
 - the router places a prompt's first copy by the cost it routes every request with; each
   further copy goes to the cheapest replica not yet holding it (``EngineRequest.avoid_replicas``:
@@ -58,9 +58,9 @@ from typing import Any, cast
 
 from app import metrics, tracing
 from app.config import AppArgs, WarmupPrompt
-from app.prepare import CHAT, COMPLETION
+from app.ingress.prepare import CHAT, COMPLETION
+from app.ingress.results import Failed
 from app.protocol import EngineRequest, EngineSummary
-from app.results import Failed
 from routing.hot_prefixes import WarmPrompt
 from routing.rewarm import LeaveJob
 
@@ -181,13 +181,13 @@ class Warmup:
     """One ingress replica's warm-up at start (see the module doc); all of it runs on the ingress's loop.
 
     Args:
-        serving: the ingress's ``app.serving.OpenAIServing`` (its preparer and dispatcher).
+        serving: the ingress's ``app.ingress.serving.OpenAIServing`` (its preparer and dispatcher).
         cfg: the app args (``warmup``, ``served_model_name``, ``lifecycle.request_timeout_s``).
         router_ready: ``await router_ready()`` is True once the request router can route (``/ready``
             without the warm-up).
         running_replicas: ``await running_replicas()`` is the set of engine replica ids Serve runs now.
-        routers: ``routers()`` lists this process's request routers (``app.router.PrefixAffinityRouter``),
-            whose re-warm books the joins and leaves come from.
+        routers: ``routers()`` lists this process's request routers
+            (``app.router.prefix_affinity.PrefixAffinityRouter``), whose re-warm books the joins and leaves come from.
     """
 
     def __init__(self, serving: Any, cfg: AppArgs, router_ready: Callable[[], Awaitable[bool]],

@@ -42,7 +42,7 @@ from app import metrics, tracing
 from app import protocol as stats_keys
 from app.config import RouterConfig
 from app.protocol import EngineRequest
-from app.router_ranks import chosen_first, no_candidates
+from app.router.ranks import chosen_first, no_candidates
 from routing.block_keys import block_keys
 from routing.hot_prefixes import HotPrefixes, WarmPrompt
 from routing.relay_reader import RelayReader
@@ -107,7 +107,7 @@ class PrefixAffinityRouter(RequestRouter):
         self._by_uid: dict[str, RunningReplica] = {}
         self._followed_list: list[RunningReplica] | None = None  # every replica of it has a feed
         self.caller_replica_id = _caller_replica_id()
-        # Joining replicas held back, leave plans, hot-prefix records (routing.rewarm; app.warmup acts on them).
+        # Joining replicas held back, leave plans, hot-prefix records (routing.rewarm; app.ingress.warmup acts on them).
         self.rewarm = RewarmBook(HotPrefixes(self.cfg.hot_half_life_s, self.cfg.hot_prefixes_kept),
                                  self.cfg.hot_prefixes_kept)
         self._rewarm_tokens: int | None = None  # warmup.rewarm_tokens, from rewarm_watch
@@ -417,7 +417,7 @@ class PrefixAffinityRouter(RequestRouter):
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self._own(self.state.try_ended, internal_request_id, replica_id.unique_id, time.time())
 
-    # ------------------------------------------------------------- re-warm (app.warmup asks, on the owner loop)
+    # ------------------------------------------------------------- re-warm (app.ingress.warmup asks, on the owner loop)
 
     def rewarm_watch(self, known: set[str], join_timeout_s: float, token_budget: int | None) -> None:
         """Replicas that appear from now on join (held back until released); ``known``: those the warm-up

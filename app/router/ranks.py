@@ -2,7 +2,7 @@
 
 ``choose_replicas`` of a Serve request router returns ranks: lists of replicas,
 tried in order; Serve sends to a replica of the first rank whose queue has room,
-else falls through to the next rank. ``app.router.PrefixAffinityRouter`` and the
+else falls through to the next rank. ``app.router.prefix_affinity.PrefixAffinityRouter`` and the
 A/B harness's ``bench.ab_routers.RoundRobinRouter`` both answer with
 ``chosen_first`` (or ``no_candidates``).
 
