@@ -61,12 +61,13 @@ from infra import ray_env
 
 REPO = vllm_server.REPO
 APP, VLLM = "app", "vllm"
-KINDS = (("haproxy", "haproxy"), ("proxy", "ProxyActor"), ("ingress", "OpenAIIngress"),
-         ("engine_replica", "VLLMEngine"), ("engine_replica", "VLLMInServe"), ("engine_core", "VLLM::EngineCore"),
-         ("worker", "VLLM::Worker"),
-         ("api_server", "api_server"), ("serve_controller", "ServeController"))
+KINDS = (("ray_gcs", "gcs_server"), ("raylet", "raylet/raylet"), ("haproxy", "haproxy"), ("proxy", "ProxyActor"),
+         ("ingress", "OpenAIIngress"), ("engine_replica", "VLLMEngine"), ("engine_replica", "VLLMInServe"),
+         ("engine_core", "VLLM::EngineCore"), ("worker", "VLLM::Worker"),
+         ("api_server", "api_server"), ("serve_controller", "ServeController"),
+         ("ray_dashboard", "dashboard"), ("ray_dashboard", "DashboardAgent"), ("ray_log_monitor", "log_monitor"))
 """Process kinds by a string of their command line, first match wins; the rest of a tree is ``ray``
-(the app: GCS, raylet, Serve controller, dashboard) or ``other``."""
+(the app: Serve's HAProxy manager, the app's own actors, Ray's other agents) or ``other``."""
 TARGETS = {"itl_ratio": 1.15, "ttft_p50_delta_ms": 15.0, "rps_ratio_8": 0.85, "cpu_ratio": 1.5}
 """The serving path's targets against vLLM's server (issue 34)."""
 
@@ -108,6 +109,17 @@ def tree_cpu(root_pid: int, app: bool) -> dict[str, float]:
 
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: max(0.0, v - before.get(k, 0.0)) for k, v in after.items()}
+
+
+def idle_cpu(servers: Any, settle_s: float, seconds: float) -> dict[str, dict[str, float]]:
+    """Each server's CPU with no request in flight, as percent of one core by process kind (and
+    ``"total"``), over the same ``seconds`` for both, after ``settle_s`` of quiet: what a server's
+    processes cost before any work (the app's Ray and Serve processes poll, report and health-check)."""
+    time.sleep(settle_s)
+    before = {name: tree_cpu(proc.pid, name == APP) for name, proc in servers.procs.items()}
+    time.sleep(seconds)
+    return {name: {k: 100.0 * v / seconds for k, v in _delta(tree_cpu(proc.pid, name == APP), before[name]).items()}
+            for name, proc in servers.procs.items()}
 
 
 # ---------------------------------------------------------------- the load
@@ -353,6 +365,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in (APP, VLLM):  # the first batches of each size are slow on a fresh engine (kernels, caches)
             for conc in (1, *args.concurrency):
                 go(name, max(8, 2 * conc), conc)
+        if args.idle_s > 0:
+            log(f"idle: both servers' CPU over {args.idle_s:g} s with no request")
+            result["idle"] = idle_cpu(servers, args.settle_s, args.idle_s)
         log(f"unloaded: {args.unloaded} requests each, one at a time, alternating")
         unloaded: dict[str, list[Sample]] = {APP: [], VLLM: []}
         for i in range(2 * args.unloaded):
@@ -437,6 +452,12 @@ def table(result: dict[str, Any]) -> str:
         vhops = ", ".join(f"{k} {x:.1f}" for k, x in sorted(v["cpu_ms_per_request"].items(), key=lambda kv: -kv[1])
                           if k != "total")
         rows.append((f"{c} streams: CPU ms/request by process", hops, vhops, ""))
+    if result.get("idle"):
+        i = result["idle"]
+        rows.append(("idle: CPU, % of a core", _f(i[APP]["total"]), _f(i[VLLM]["total"]), ""))
+        rows.append(("idle: % of a core by process", *(", ".join(
+            f"{k} {x:.1f}" for k, x in sorted(i[name].items(), key=lambda kv: -kv[1]) if k != "total" and x >= 0.05)
+            for name in (APP, VLLM)), ""))
     w = [max(len(row[i]) for row in rows if len(row[i]) < 60) for i in range(4)]
     lines = ["  ".join(cell.ljust(w[i]) for i, cell in enumerate(row)) for row in rows]
     met = r["met"]
@@ -479,10 +500,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
             bottom = 0.0
             for k_i, k in enumerate(kinds):
                 v = loaded[c][n]["cpu_ms_per_request"].get(k, 0.0)
-                ax2.bar(p, v, bottom=bottom, color=plt.cm.tab10(k_i % 10), label=k if (i, j) == (0, 0) else None)
+                ax2.bar(p, v, bottom=bottom, color=plt.cm.tab20(k_i % 20), label=k if (i, j) == (0, 0) else None)
                 bottom += v
             ax2.text(p, bottom + 1, f"{bottom:.0f}", ha="center", fontsize=8)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=plt.cm.tab10(i % 10)) for i in range(len(kinds))]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=plt.cm.tab20(i % 20)) for i in range(len(kinds))]
     ax2.legend(handles, kinds, fontsize=8)
     ax2.set_xticks(pos, labels, fontsize=8)
     ax2.set_ylabel("CPU ms per request")
@@ -512,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--app-kind", choices=sorted(APP_KINDS), default="prefix-serve",
                     help="what runs beside vLLM's server: the app, or vLLM's own app in one Serve replica "
                          "(bench.serve_vllm: what Serve itself costs, the floor of a Serve-hosted path)")
+    ap.add_argument("--idle-s", type=float, default=10.0,
+                    help="seconds both servers' CPU is counted with no request in flight (0: skip)")
     ap.add_argument("--settle-s", type=float, default=1.5,
                     help="idle seconds before each block and each unloaded request (vLLM's worker spins 1 s)")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="one request's limit")

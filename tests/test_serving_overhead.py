@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -53,6 +56,18 @@ def test_tree_cpu_counts_this_process_and_its_children_by_kind():
     assert so.tree_cpu(2 ** 22 + 12345, app=True) == {"total": 0.0}  # no such process: nothing
 
 
+def test_idle_cpu_is_each_trees_share_of_a_core_over_the_same_window():
+    """A spinning process reads near 100 % of a core, a sleeping one near 0, each as its server's tree."""
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    rest = subprocess.Popen(["sleep", "30"])
+    try:
+        idle = so.idle_cpu(SimpleNamespace(procs={so.APP: rest, so.VLLM: spin}), settle_s=0.2, seconds=1.5)
+    finally:
+        spin.kill(), rest.kill(), spin.wait(), rest.wait()
+    assert idle[so.VLLM]["total"] > 40 and idle[so.VLLM]["other"] == pytest.approx(idle[so.VLLM]["total"])
+    assert idle[so.APP]["total"] < 10 and set(idle[so.APP]) == {"total", "ray"}
+
+
 def test_the_report_prints_and_draws(tmp_path):
     result = {"config": {"prompt_tokens": 96, "max_tokens": 32},
               "unloaded": {so.APP: so.summarize([sample([0.02, 0.025])], None, None),
@@ -60,8 +75,13 @@ def test_the_report_prints_and_draws(tmp_path):
               "loaded": {"8": {n: so.summarize([sample([0.02, 0.03])], 1.0, {"total": 0.1, "worker": 0.05})
                                for n in (so.APP, so.VLLM)}}}
     result["ratios"] = so.ratios(result)
+    result["idle"] = {so.APP: {"total": 61.0, "serve_controller": 9.5, "ray_gcs": 6.5, "ingress": 45.0},
+                      so.VLLM: {"total": 0.4, "api_server": 0.4}}
     text = so.table(result)
     assert "TTFT p50 unloaded" in text and "+10.0 ms" in text and "targets:" in text
+    idle_row = next(line for line in text.splitlines() if line.startswith("idle: CPU, % of a core"))
+    assert idle_row.split()[-2:] == ["61.0", "0.4"]
+    assert "ingress 45.0, serve_controller 9.5, ray_gcs 6.5" in text and "api_server 0.4" in text
     so.plot(result, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
