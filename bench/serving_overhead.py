@@ -28,6 +28,8 @@ and drawn in ``<out>/serving_overhead.png``:
 - requests/s and output tokens/s at each concurrency;
 - CPU per request and per output token, whole tree and by process kind (where the time
   goes, hop by hop: Serve proxy, ingress, engine replica, engine core, worker, Ray);
+- each tree's CPU with no request in flight (``--idle-s`` seconds after warm-up, both at once),
+  percent of one core by process kind: the fixed cost a request's share of CPU carries;
 - the ratios the serving path is held to (issue 34): gap <= 1.15x vLLM's, TTFT p50 <=
   vLLM's + 15 ms, requests/s at 8 streams >= 0.85x, CPU per request <= 1.5x.
 
