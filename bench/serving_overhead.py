@@ -457,9 +457,9 @@ def table(result: dict[str, Any]) -> str:
     if result.get("idle"):
         i = result["idle"]
         rows.append(("idle: CPU, % of a core", _f(i[APP]["total"]), _f(i[VLLM]["total"]), ""))
-        rows.append(("idle: % of a core by process", *(", ".join(
-            f"{k} {x:.1f}" for k, x in sorted(i[name].items(), key=lambda kv: -kv[1]) if k != "total" and x >= 0.05)
-            for name in (APP, VLLM)), ""))
+        by_kind = [", ".join(f"{k} {x:.1f}" for k, x in sorted(i[name].items(), key=lambda kv: -kv[1])
+                             if k != "total" and x >= 0.05) for name in (APP, VLLM)]
+        rows.append(("idle: % of a core by process", by_kind[0], by_kind[1], ""))
     w = [max(len(row[i]) for row in rows if len(row[i]) < 60) for i in range(4)]
     lines = ["  ".join(cell.ljust(w[i]) for i, cell in enumerate(row)) for row in rows]
     met = r["met"]
