@@ -54,9 +54,11 @@ def servers(tmp_path_factory):
             proc = subprocess.Popen(vllm_server.command(args, PORT + i), stdout=log, stderr=subprocess.STDOUT,
                                     env=vllm_server.env(), cwd=REPO)
             procs[dtype] = (proc, log, f"http://127.0.0.1:{PORT + i}")
-        app = start_app(OVERRIDES, name="prefix-serve")
         for proc, log, url in procs.values():
             vllm_server.wait_ready(proc, url, MODEL, log.name)
+        # The app starts once vLLM's servers are up: on two loaded cores their start-up beside Serve's
+        # made Serve's proxy miss its 5 s readiness checks, and the controller killed it mid-start.
+        app = start_app(OVERRIDES, name="prefix-serve")
         yield app.base_url, procs["fp8"][2], procs["auto"][2]
     finally:
         for proc, log, _ in procs.values():
