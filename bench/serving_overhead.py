@@ -64,7 +64,8 @@ from infra import ray_env
 REPO = vllm_server.REPO
 APP, VLLM = "app", "vllm"
 KINDS = (("ray_gcs", "gcs_server"), ("raylet", "raylet/raylet"), ("haproxy", "haproxy"), ("proxy", "ProxyActor"),
-         ("ingress", "OpenAIIngress"), ("engine_replica", "VLLMEngine"), ("engine_replica", "VLLMInServe"),
+         ("ingress", "OpenAIIngress"), ("ingress", "OpenAiIngress"), ("engine_replica", "VLLMEngine"),
+         ("engine_replica", "VLLMInServe"), ("engine_replica", "LLMServer"),
          ("engine_core", "VLLM::EngineCore"), ("worker", "VLLM::Worker"),
          ("api_server", "api_server"), ("serve_controller", "ServeController"),
          ("ray_dashboard", "dashboard"), ("ray_dashboard", "DashboardAgent"), ("ray_log_monitor", "log_monitor"))
@@ -198,10 +199,12 @@ async def block(url: str, model: str, n: int, concurrency: int, prompt_tokens: i
 # ---------------------------------------------------------------- the servers
 
 APP_KINDS: dict[str, tuple[str | None, str]] = {"prefix-serve": (None, "/ready"),
-                                                "serve-vllm": ("bench.serve_vllm:build", "/health")}
+                                                "serve-vllm": ("bench.serve_vllm:build", "/health"),
+                                                "ray-serve-llm": ("bench.serve_rsl:build", "/v1/models")}
 """What ``--app-kind`` runs on the app's side: Serve import path (``None``: the config's) and readiness path.
 ``serve-vllm`` is vLLM's own server app in one Serve replica (``bench.serve_vllm``): the floor of any
-Serve-hosted path."""
+Serve-hosted path. ``ray-serve-llm`` is Ray Serve LLM's own OpenAI app (``bench.serve_rsl``): the peer
+this project's users are offered in Ray."""
 
 
 def app_config(base: Path, port: int, overrides: dict[str, Any] | None = None,
@@ -281,6 +284,8 @@ class Servers:
             log("vLLM's server is ready")
             vllm_server.wait_http_ok(self.procs[APP], f"{self.urls[APP]}{self.ready_path}", "serve run",
                                      self.logs[APP].name)
+            if self.app_kind != "prefix-serve":  # the app's engine replica sends its own at start
+                vllm_server.warm(self.urls[APP], self.model)
             log("the app is ready")
         except BaseException:
             self.__exit__()

@@ -79,6 +79,15 @@ def wait_ready(proc: subprocess.Popen, url: str, model: str, log_name: str, time
         RuntimeError: the server exited (its log is ``log_name``) or did not answer in ``timeout_s``.
     """
     wait_http_ok(proc, f"{url}/health", "vLLM's server", log_name, timeout_s)
+    warm(url, model)
+
+
+def warm(url: str, model: str) -> None:
+    """Send the OpenAI server at ``url`` one longer prompt first (see ``WARM_TEXT``).
+
+    Raises:
+        httpx.HTTPStatusError: it did not answer 200.
+    """
     r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": WARM_TEXT, "max_tokens": 1}, timeout=120)
     r.raise_for_status()
 

@@ -124,3 +124,32 @@ def test_the_serve_floor_runs_vllms_own_app_from_the_same_args():
     parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_server.command(args, 0)[3:])
     assert (parsed.model, parsed.block_size, parsed.max_num_seqs) == (
         str(so.REPO / args["model"]), args["engine"]["block_size"], args["engine"]["max_num_seqs"])
+
+
+def test_ray_serve_llm_runs_the_bare_servers_model_and_engine_flags():
+    """``--app-kind ray-serve-llm`` builds Ray Serve LLM's own app from the same args: its ``LLMConfig``
+    validates under the pinned Ray, and its engine arguments are those vLLM's bare server parses from
+    its command line (``bench.vllm_server.command``), flag for flag."""
+    from pathlib import Path
+
+    from ray.serve.llm import LLMConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from bench import serve_rsl, vllm_server
+
+    cfg = so.app_config(Path(so.REPO / "serve_config.yaml"), 18999, app_kind="ray-serve-llm")
+    assert cfg["applications"][0]["import_path"] == "bench.serve_rsl:build"
+    assert so.APP_KINDS["ray-serve-llm"][1] == "/v1/models"
+    args = cfg["applications"][0]["args"]
+    llm = LLMConfig(**serve_rsl.llm_config(args))
+    bare = AsyncEngineArgs.from_cli_args(
+        make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_server.command(args, 0)[3:]))
+    assert llm.model_loading_config.model_id == bare.served_model_name[0] == args["served_model_name"]
+    assert llm.model_loading_config.model_source == bare.model
+    for key, value in llm.engine_kwargs.items():
+        assert getattr(bare, key) == value, key
+    assert {"block_size", "max_model_len", "num_gpu_blocks_override", "max_num_seqs",
+            "enable_prefix_caching"} <= llm.engine_kwargs.keys()
+    assert llm.deployment_config["num_replicas"] == 1

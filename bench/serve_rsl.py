@@ -1,0 +1,63 @@
+"""Ray Serve LLM's own OpenAI app (``ray.serve.llm.build_openai_app``) on the app's model and engine flags.
+
+``python -m bench.serving_overhead --app-kind ray-serve-llm`` runs this Serve application in
+place of prefix-serve, beside vLLM's bare server: the framework this project's users are
+offered for the same job, measured on the same machine, load and engine (issues 34 and 37):
+
+- one ``LLMConfig``: the model and served name of ``serve_config.yaml``, its engine flags as
+  vLLM engine arguments (``engine_kwargs``: block size, context length, KV blocks, batch size,
+  prefix caching, eager mode, seed 0: what ``bench.vllm_server.command`` gives vLLM's bare
+  server), one engine replica in a one-CPU placement bundle (Ray Serve LLM infers the CPU
+  accelerator from CPU-only bundles);
+- Ray Serve LLM's own ingress (``OpenAiIngress``) and its default request router, so the tokens
+  go engine -> ``LLMServer`` replica -> ingress replica -> HAProxy -> client under the app's
+  serving-path settings (``infra.ray_env``).
+
+Bench-only: not part of the app. Ray Serve LLM imports ``pyarrow``, ``smart_open`` and ``mmh3``,
+which ``ray[serve]`` does not install: ``bench/requirements-peers.txt`` does (``make install``).
+Readiness is its ``/v1/models``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ray.serve import Application
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def llm_config(args: dict[str, Any]) -> dict[str, Any]:
+    """The ``LLMConfig`` (as a dict) of the app args ``args`` (``serve_config.yaml``'s: ``model``,
+    ``served_model_name``, ``engine``), one replica.
+
+    Raises:
+        KeyError: ``args`` lacks ``model``, ``served_model_name`` or ``engine``.
+    """
+    engine = args["engine"]
+    kwargs: dict[str, Any] = {
+        "block_size": engine["block_size"], "max_model_len": engine["max_model_len"],
+        "gpu_memory_utilization": engine["gpu_memory_utilization"], "max_num_seqs": engine["max_num_seqs"],
+        "enable_prefix_caching": True, "enforce_eager": True, "seed": 0,
+        "kv_cache_dtype": engine.get("kv_cache_dtype", "auto"),
+    }
+    for key in ("num_gpu_blocks_override", "kv_cache_memory_bytes"):
+        if engine.get(key) is not None:
+            kwargs[key] = engine[key]
+    return {
+        "model_loading_config": {"model_id": args["served_model_name"], "model_source": str(REPO / args["model"])},
+        "engine_kwargs": kwargs,
+        "placement_group_config": {"bundles": [{"CPU": 1}]},
+        "deployment_config": {"num_replicas": 1, "max_ongoing_requests": 256,
+                              "ray_actor_options": {"num_cpus": 0.25}},
+    }
+
+
+def build(args: dict[str, Any]) -> Application:
+    """Ray Serve LLM's OpenAI app over ``llm_config(args)`` (``serve run`` import path ``bench.serve_rsl:build``)."""
+    from ray.serve.llm import build_openai_app
+
+    return build_openai_app({"llm_configs": [llm_config(args)],
+                             "ingress_deployment_config": {"max_ongoing_requests": 1024,
+                                                           "ray_actor_options": {"num_cpus": 0.25}}})
