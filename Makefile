@@ -117,7 +117,8 @@ bench: install model
 # The framework's own cost beside vLLM's server: one engine each, the same streamed requests alternating
 # in one run (TTFT, the gap between tokens, requests/s at 8 and 32 streams, CPU per request by process).
 # About 6 minutes. Report: reports/serving_overhead/ (JSON, PNG). Loopback only (ports 18300, 18301).
-# Before/after the serving path's settings: SERVING_OVERHEAD_ARGS="--app-env RAY_SERVE_ENABLE_HA_PROXY=0 RAY_SERVE_THROUGHPUT_OPTIMIZED=0"
+# Before/after the serving path's settings (infra/ray_env.py), Serve's defaults: SERVING_OVERHEAD_ARGS="--app-env
+# RAY_SERVE_ENABLE_HA_PROXY=0 RAY_SERVE_THROUGHPUT_OPTIMIZED=0 RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.1 RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=100"
 SERVING_OVERHEAD_ARGS ?=
 serving-overhead: install model
 	$(PY) -m bench.serving_overhead --out reports/serving_overhead $(SERVING_OVERHEAD_ARGS)

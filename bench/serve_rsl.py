@@ -13,9 +13,9 @@ offered for the same job, measured on the same machine, load and engine (issues 
   go engine -> ``LLMServer`` replica -> ingress replica -> HAProxy -> client under the app's
   serving-path settings (``infra.ray_env``).
 
-Bench-only: not part of the app. Ray Serve LLM imports ``pyarrow``, ``smart_open`` and ``mmh3``,
-which ``ray[serve]`` does not install: ``bench/requirements-peers.txt`` does (``make install``).
-Readiness is its ``/v1/models``.
+Bench-only: not part of the app. Ray Serve LLM imports ``pyarrow``, which ``ray[serve]`` does not
+install: the ``bench`` extra does (``make install``). Its ``/v1/models`` answers before its engine
+replica is up, so ``bench.serving_overhead`` waits for a first completion (``vllm_server.warm_until``).
 """
 
 from __future__ import annotations

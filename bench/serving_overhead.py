@@ -285,7 +285,7 @@ class Servers:
             vllm_server.wait_http_ok(self.procs[APP], f"{self.urls[APP]}{self.ready_path}", "serve run",
                                      self.logs[APP].name)
             if self.app_kind != "prefix-serve":  # the app's engine replica sends its own at start
-                vllm_server.warm(self.urls[APP], self.model)
+                vllm_server.warm_until(self.procs[APP], self.urls[APP], self.model, "serve run", self.logs[APP].name)
             log("the app is ready")
         except BaseException:
             self.__exit__()

@@ -92,6 +92,28 @@ def warm(url: str, model: str) -> None:
     r.raise_for_status()
 
 
+def warm_until(proc: subprocess.Popen, url: str, model: str, what: str, log_name: str,
+               timeout_s: float = 600.0) -> None:
+    """``warm`` the server at ``url`` until it answers 200, while ``proc`` (``what``) runs: for a server
+    whose readiness path answers before its engine is up (Ray Serve LLM's ``/v1/models``).
+
+    Raises:
+        RuntimeError: ``proc`` exited (its log is ``log_name``) or no 200 came in ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            warm(url, model)
+            return
+        except httpx.HTTPError as e:
+            error = e
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode}); see {log_name}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not answer a completion in {timeout_s:g} s ({error!r}); see {log_name}")
+        time.sleep(2)
+
+
 def stop(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
     """Terminate the server (SIGTERM, then SIGKILL after ``timeout_s``)."""
     proc.terminate()

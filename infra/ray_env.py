@@ -21,9 +21,9 @@ take most of that away (``ray/serve/_private/constants.py``), and the app runs w
   no request in flight Ray's and Serve's processes poll, report and health-check: the
   Serve controller's loop ran 10 times a second, and every replica and handle flushed
   its cached Ray metrics 10 times a second. On this 2-core machine the app idled at
-  16.9 % of a core against vLLM's server's 1.1 %, and these two settings took it to
-  14.0 % (the controller 3.7 -> 1.5, the GCS it calls 2.0 -> 1.0, ingress and engine
-  replica 3.4 -> 2.9; docs/benchmarks.md). The costs: the controller acts on a health
+  17.6-18.2 % of a core with Serve's periods against vLLM's server's 0.9-1.0 %, and at
+  14.2-14.3 % with these (the controller 3.7-3.8 -> 1.6-1.7, the GCS it calls 2.1-2.3 ->
+  1.0-1.1, ingress and engine replica 3.4 -> 2.9; docs/benchmarks.md). The costs: the controller acts on a health
   check, a scaling decision or a deploy step up to 0.4 s later (health checks run every
   10 s, scaling looks back 30 s), and Ray's ``ray_serve_*`` metrics move once a second
   (the app's own ``prefix_serve_*`` metrics are not cached).
@@ -32,9 +32,10 @@ They are read when Ray's processes import Serve, so they must be in the environm
 of whatever starts the Ray cluster: ``make serve`` (``infra.preflight``) and the test
 suite set them; on a cluster started with ``ray start``, export them on every node
 first (docs/deploy-4090.md). ``bench.serving_overhead`` measures the path with and
-without them. Each can be turned off by setting it to ``0`` (``setdefault`` keeps a
-value the user set). ``tests/test_ray_env.py`` checks that the pinned Ray still reads
-them as this module says.
+without them. ``setdefault`` keeps a value the user set: ``0`` turns off either of the
+first two; Serve's own periods are ``0.1`` and ``100`` (not ``0``: a loop interval of 0
+spins the controller, and an export interval of 0 writes Ray's metrics on every request).
+``tests/test_ray_env.py`` checks that the pinned Ray still reads them as this module says.
 """
 
 from __future__ import annotations

@@ -218,8 +218,10 @@ def _sum_over_ingresses(app, family: str) -> float:
     return total
 
 
-def _query(url: str, expr: str) -> list[dict]:
-    r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
+def _query(url: str, expr: str, at: float | None = None) -> list[dict]:
+    """Prometheus's instant query of ``expr``, evaluated now or at the Unix time ``at``."""
+    params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+    r = httpx.get(f"{url}/api/v1/query", params=params, timeout=10)
     assert r.status_code == 200, r.text
     return r.json()["data"]["result"]
 
@@ -364,28 +366,32 @@ def test_increase_over_a_locust_run_matches_what_was_served(app, prometheus, tmp
     # requests that every user finished several and the sums below mean something.
     assert sent >= 8 and int(stats[("shared_prefix", "e2e")]["Failure Count"]) == 0
     # Locust's exit does not wait for the ingress to finish counting what it cut (a disconnect is seen
-    # on the ingress's next write): read the replicas' counters once two reads a second apart agree.
-    after = _requests_by_replica(app)
+    # on the ingress's next write): read the replicas' counters once two reads a second apart agree, and
+    # end Prometheus's window there, so a count that still comes later is in neither.
+    after, settled = _requests_by_replica(app), False
     for _ in range(30):
         time.sleep(1)
         again, after = after, _requests_by_replica(app)
         if again == after:
+            settled = True
             break
+    window_end = time.time()
+    assert settled, after
     served = sum(after[r].get(k, 0) - before[r].get(k, 0) for r in after for k in after[r])
     served_by = [sum(after[r].values()) - sum(before[r].values()) for r in after]
     # Requests Locust cut when it stopped are counted 499 (the client went away), not 200.
     cut = sum(after[r].get((route, "499"), 0) - before[r].get((route, "499"), 0) for r in after)
     assert served - cut >= sent, (before, after, sent)  # nothing Locust saw answered is missing
     assert all(n > 0 for n in served_by), served_by  # both replicas took part
-    time.sleep(4)  # scrapes past the run
-    window = round(time.time() - window_start)
-    result = _query(prometheus, f"sum(increase(prefix_serve_requests_total[{window}s]))")
+    time.sleep(2)  # Prometheus has scraped past the window's end
+    window = round(window_end - window_start)
+    result = _query(prometheus, f"sum(increase(prefix_serve_requests_total[{window}s]))", at=window_end)
     measured = float(result[0]["value"][1])
     # increase() extrapolates a series' change to the window's edges, by up to 1.1 of its average scrape
     # interval at each end (Prometheus's extrapolatedRate). That interval is the one realized: on a loaded
     # machine scrapes come later than the configured 100 ms, so it is read from the samples (the sparsest series).
     samples = min(float(r["value"][1]) for r in _query(
-        prometheus, f"count_over_time(prefix_serve_requests_total[{window}s])"))
+        prometheus, f"count_over_time(prefix_serve_requests_total[{window}s])", at=window_end))
     interval = window / max(1.0, samples - 1)
     assert window > 4 * interval, (window, samples)  # enough scrapes for the bound below to mean something
     over = max(0.01, 2.2 * interval / (window - 2.2 * interval))

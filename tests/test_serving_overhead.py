@@ -129,7 +129,9 @@ def test_the_serve_floor_runs_vllms_own_app_from_the_same_args():
 def test_ray_serve_llm_runs_the_bare_servers_model_and_engine_flags():
     """``--app-kind ray-serve-llm`` builds Ray Serve LLM's own app from the same args: its ``LLMConfig``
     validates under the pinned Ray, and its engine arguments are those vLLM's bare server parses from
-    its command line (``bench.vllm_server.command``), flag for flag."""
+    its command line (``bench.vllm_server.command``), both ways: every engine argument it sets is the
+    bare server's, and every engine argument the bare server's flags change from vLLM's default it sets."""
+    import dataclasses
     from pathlib import Path
 
     from ray.serve.llm import LLMConfig
@@ -141,15 +143,19 @@ def test_ray_serve_llm_runs_the_bare_servers_model_and_engine_flags():
 
     cfg = so.app_config(Path(so.REPO / "serve_config.yaml"), 18999, app_kind="ray-serve-llm")
     assert cfg["applications"][0]["import_path"] == "bench.serve_rsl:build"
-    assert so.APP_KINDS["ray-serve-llm"][1] == "/v1/models"
     args = cfg["applications"][0]["args"]
     llm = LLMConfig(**serve_rsl.llm_config(args))
-    bare = AsyncEngineArgs.from_cli_args(
-        make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_server.command(args, 0)[3:]))
-    assert llm.model_loading_config.model_id == bare.served_model_name[0] == args["served_model_name"]
+
+    def engine_args(argv: list[str]) -> AsyncEngineArgs:
+        return AsyncEngineArgs.from_cli_args(make_arg_parser(FlexibleArgumentParser()).parse_args(argv))
+
+    bare = engine_args(vllm_server.command(args, 0)[3:])
+    default = engine_args(["--model", bare.model])
+    assert llm.model_loading_config.model_id == args["served_model_name"] and bare.served_model_name
     assert llm.model_loading_config.model_source == bare.model
     for key, value in llm.engine_kwargs.items():
         assert getattr(bare, key) == value, key
-    assert {"block_size", "max_model_len", "num_gpu_blocks_override", "max_num_seqs",
-            "enable_prefix_caching"} <= llm.engine_kwargs.keys()
-    assert llm.deployment_config["num_replicas"] == 1
+    changed = {f.name for f in dataclasses.fields(AsyncEngineArgs)
+               if getattr(bare, f.name) != getattr(default, f.name)} - {"served_model_name"}
+    assert {"block_size", "max_model_len", "num_gpu_blocks_override", "max_num_seqs"} <= changed
+    assert changed <= llm.engine_kwargs.keys(), changed - llm.engine_kwargs.keys()
