@@ -30,8 +30,16 @@ there is removed, so a router keeps one bit per (replica, key, tier) and no
 counts.
 
 The tier of an event is its ``medium`` (``routing.tiers.tier_of_medium``);
-events of other media are ignored, counted.  Host-tier stores come in two
-shapes (vLLM's ``OffloadingEventsTracker``):
+events of other media are ignored, counted.  A disk tier behind the host one
+(``medium="STORAGE"``: vLLM's tiering ``fs`` tier, written through from host
+memory and read back through it) is kept apart here and announced to routers
+as part of the host tier: a key is held on the router's host tier while the
+engine holds it in host memory *or* on disk (announced when the first of the
+two gets it, withdrawn when the last drops it).  A block only the disk holds
+is a hit there, which vLLM loads from disk into host memory and then into the
+GPU; routers price it as a host hit (the disk read, 4-5x slower than the host
+link, is not priced: both are tens of times cheaper than a prefill).  Lower-tier
+stores come in two shapes (vLLM's ``OffloadingEventsTracker``):
 
 * self-describing (``kv_connector_extra_config["self_describing_kv_events"]``):
   one event per offloaded chunk with its engine blocks' hashes, parent and
@@ -78,7 +86,7 @@ from dataclasses import dataclass, fields
 from routing.block_keys import ROOT_SEED, block_keys_from_stored, chain_keys
 from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineBlockHash, KVEvent
 from routing.key_events import AllKeysCleared, KeyEvent, KeysRemoved, KeysStored, keys_to_bytes
-from routing.tiers import Tier, tier_of_medium
+from routing.tiers import MEDIUM_STORAGE, Tier, tier_of_medium
 
 __all__ = ["FULL_ATTENTION_KINDS", "KeyRelay", "RelayStats", "hit_block_size", "hit_group"]
 
@@ -115,7 +123,9 @@ def hit_block_size(groups: list[dict], default: int) -> int:
 
 
 _LITTLE_ENDIAN = sys.byteorder == "little"  # array('I') bytes are then the keys' uint32-LE
-_TIERS = tuple(Tier)
+_GPU, _HOST, _DISK = 0, 1, 2
+"""The relay's own slots: the GPU and host tiers (``Tier``'s codes), and the disk tier (announced as host)."""
+_SLOTS = (_GPU, _HOST, _DISK)
 
 
 @dataclass(slots=True)
@@ -131,11 +141,17 @@ class RelayStats:
     host_blocks_stored: int = 0
     """Engine blocks newly copied to the host tier (each one's first copy there)."""
     host_keys_stored: int = 0
-    """Host-tier keys announced."""
+    """Host-tier keys announced (held in host memory or on disk)."""
     host_keys_removed: int = 0
-    """Host-tier keys withdrawn."""
+    """Host-tier keys withdrawn (held in neither any more)."""
     host_unknown_blocks: int = 0
-    """Placeholder host-tier stores naming an engine hash the relay never saw (dropped)."""
+    """Placeholder host- or disk-tier stores naming an engine hash the relay never saw (dropped)."""
+    disk_blocks_stored: int = 0
+    """Engine blocks newly written to the disk tier (each one's first copy there)."""
+    disk_keys_stored: int = 0
+    """Keys newly held on the disk tier (announced on the host tier unless host memory held them)."""
+    disk_keys_removed: int = 0
+    """Keys the disk tier dropped (withdrawn from the host tier unless host memory holds them)."""
     duplicate_stores: int = 0
     """Extra physical copies of an engine block already held on the same tier."""
     unknown_removed: int = 0
@@ -149,7 +165,7 @@ class RelayStats:
     ignored_events: int = 0
     """Events of another KV-cache group or block size than the relay's."""
     ignored_media: int = 0
-    """Events of a medium the router does not route on (e.g. ``"STORAGE"``)."""
+    """Events of a medium the router does not route on (neither GPU, CPU nor STORAGE)."""
     clears: int = 0
     """``AllBlocksCleared`` events and ``clear()`` calls."""
     unknown_adapter_events: int = 0
@@ -177,10 +193,11 @@ class KeyRelay:
         self.block_size = block_size
         self.group_idx = group_idx
         self.stats = RelayStats()
-        # Indexed by Tier: engine hash -> key, engine hash -> copies (>= 2), key -> engine hashes.
-        self.key_of: tuple[dict[EngineBlockHash, int], ...] = tuple({} for _ in _TIERS)
-        self.copies: tuple[dict[EngineBlockHash, int], ...] = tuple({} for _ in _TIERS)
-        self.refs: tuple[dict[int, int], ...] = tuple({} for _ in _TIERS)
+        # Indexed by slot (GPU, host, disk): engine hash -> key, engine hash -> copies (>= 2),
+        # key -> engine hashes.
+        self.key_of: tuple[dict[EngineBlockHash, int], ...] = tuple({} for _ in _SLOTS)
+        self.copies: tuple[dict[EngineBlockHash, int], ...] = tuple({} for _ in _SLOTS)
+        self.refs: tuple[dict[int, int], ...] = tuple({} for _ in _SLOTS)
         self.lora_paths: dict[int, str] = {}  # the engine's adapter id -> the path it loaded
         self.ambiguous_ids: set[int] = set()  # ids loaded again in place from another path
 
@@ -189,7 +206,10 @@ class KeyRelay:
         return len(self.refs[Tier.GPU])
 
     def num_keys(self, tier: Tier) -> int:
-        """Distinct keys held on ``tier``."""
+        """Distinct keys held on ``tier`` (host: in host memory or on disk)."""
+        if tier == Tier.HOST:
+            host, disk = self.refs[_HOST], self.refs[_DISK]
+            return len(host) + sum(1 for k in disk if k not in host)
         return len(self.refs[tier])
 
     def follow_group(self, group_idx: int | None, block_size: int | None = None) -> bool:
@@ -258,42 +278,51 @@ class KeyRelay:
         return out
 
     def clear(self, tier: Tier | None = None) -> None:
-        """Forget every block of ``tier`` (the engine cleared it), or of every tier when None
-        (the engine's events were lost)."""
+        """Forget every block of ``tier`` (the engine cleared it; host: host memory and disk), or
+        of every tier when None (the engine's events were lost)."""
         self.stats.clears += 1
-        for t in _TIERS if tier is None else (tier,):
+        for t in _SLOTS if tier is None else (_HOST, _DISK) if tier == Tier.HOST else (_GPU,):
             self.key_of[t].clear()
             self.copies[t].clear()
             self.refs[t].clear()
 
     def snapshot_keys(self, tier: Tier = Tier.GPU) -> bytes:
-        """Every key held on ``tier``, once each, in store order, as the wire's uint64-LE bytes."""
+        """Every key held on ``tier`` (host: in host memory or on disk), once each, in store order,
+        as the wire's uint64-LE bytes."""
+        if tier == Tier.HOST and self.refs[_DISK]:
+            return keys_to_bytes({**self.refs[_HOST], **self.refs[_DISK]})
         return keys_to_bytes(self.refs[tier])
 
     # ------------------------------------------------------------------ internals
 
-    def _tier(self, medium: str | None, group_idx: int | None) -> Tier | None:
-        """The event's tier, or None (counted) when it is of another group or medium."""
+    def _slot(self, medium: str | None, group_idx: int | None) -> int | None:
+        """The event's slot (GPU, host, disk), or None (counted) when it is of another group or medium."""
         if group_idx is not None and self.group_idx is not None and group_idx != self.group_idx:
             self.stats.ignored_events += 1
             return None
+        if medium == MEDIUM_STORAGE:
+            return _DISK
         tier = tier_of_medium(medium)
         if tier is None:
             self.stats.ignored_media += 1
-        return tier
+            return None
+        return int(tier)
 
     def _parent_key(self, parent: EngineBlockHash) -> int | None:
         """The key of a parent engine hash held on any tier."""
-        key = self.key_of[Tier.GPU].get(parent)
-        return self.key_of[Tier.HOST].get(parent) if key is None else key
+        for key_of in self.key_of:
+            key = key_of.get(parent)
+            if key is not None:
+                return key
+        return None
 
     def _store(self, ev: BlockStored) -> KeysStored | None:
-        tier = self._tier(ev.medium, ev.group_idx)
-        if tier is None:
+        slot = self._slot(ev.medium, ev.group_idx)
+        if slot is None:
             return None
         hashes = ev.block_hashes
-        if tier is Tier.HOST and not ev.token_ids and not ev.block_size:
-            return self._store_placeholder(hashes)
+        if slot != _GPU and not ev.token_ids and not ev.block_size:
+            return self._store_placeholder(slot, hashes)
         bs = ev.block_size
         if bs != self.block_size:
             self.stats.ignored_events += 1
@@ -321,10 +350,10 @@ class KeyRelay:
         except (ValueError, TypeError, OverflowError):
             self.stats.malformed_events += 1
             return None
-        return self._hold(tier, hashes, keys, None if parent is None else seed)
+        return self._hold(slot, hashes, keys, None if parent is None else seed)
 
-    def _store_placeholder(self, hashes: list[EngineBlockHash]) -> KeysStored | None:
-        """A host-tier store without payload: each hash keyed by the block it was copied from."""
+    def _store_placeholder(self, slot: int, hashes: list[EngineBlockHash]) -> KeysStored | None:
+        """A host- or disk-tier store without payload: each hash keyed by the block it was copied from."""
         keys: list[int] = []
         known: list[EngineBlockHash] = []
         for eh in hashes:
@@ -334,11 +363,13 @@ class KeyRelay:
                 continue
             keys.append(key)
             known.append(eh)
-        return self._hold(Tier.HOST, known, keys, None) if known else None
+        return self._hold(slot, known, keys, None) if known else None
 
-    def _hold(self, tier: Tier, hashes: list[EngineBlockHash], keys, parent_key: int | None) -> KeysStored | None:
-        """Record ``hashes`` (keys ``keys``) as held on ``tier``; the keys newly held there, if any."""
-        key_of, copies, refs = self.key_of[tier], self.copies[tier], self.refs[tier]
+    def _hold(self, slot: int, hashes: list[EngineBlockHash], keys, parent_key: int | None) -> KeysStored | None:
+        """Record ``hashes`` (keys ``keys``) as held in ``slot``; the keys newly held on its tier
+        (host and disk: newly held on either), if any."""
+        key_of, copies, refs = self.key_of[slot], self.copies[slot], self.refs[slot]
+        other = self.refs[_HOST + _DISK - slot] if slot != _GPU else None  # the other lower tier
         new: list[int] = []
         new_parent = parent_key  # the key before the first new one
         prev = parent_key
@@ -355,26 +386,33 @@ class KeyRelay:
             n = refs.get(key, 0)
             refs[key] = n + 1
             if not n:  # else held under another engine hash already
-                if not new:
-                    new_parent = prev
-                new.append(key)
+                if slot == _DISK:
+                    stats.disk_keys_stored += 1
+                if other is None or key not in other:  # else the router has it on the host tier already
+                    if not new:
+                        new_parent = prev
+                    new.append(key)
             key_of[eh] = key
             prev = key
-        if tier is Tier.GPU:
+        if slot == _GPU:
             stats.blocks_stored += stored
             stats.keys_stored += len(new)
         else:
-            stats.host_blocks_stored += stored
+            if slot == _HOST:
+                stats.host_blocks_stored += stored
+            else:
+                stats.disk_blocks_stored += stored
             stats.host_keys_stored += len(new)
         if not new:
             return None
-        return KeysStored(new_parent, keys_to_bytes(new), tier)
+        return KeysStored(new_parent, keys_to_bytes(new), Tier.GPU if slot == _GPU else Tier.HOST)
 
     def _remove(self, ev: BlockRemoved) -> KeysRemoved | None:
-        tier = self._tier(ev.medium, ev.group_idx)
-        if tier is None:
+        slot = self._slot(ev.medium, ev.group_idx)
+        if slot is None:
             return None
-        key_of, copies, refs = self.key_of[tier], self.copies[tier], self.refs[tier]
+        key_of, copies, refs = self.key_of[slot], self.copies[slot], self.refs[slot]
+        other = self.refs[_HOST + _DISK - slot] if slot != _GPU else None
         gone: list[int] = []
         for eh in ev.block_hashes:
             if copies and eh in copies:  # other physical copies remain
@@ -390,11 +428,14 @@ class KeyRelay:
             if n > 1:  # still held under another engine hash
                 refs[key] = n - 1
                 continue
-            gone.append(key)
+            if slot == _DISK:
+                self.stats.disk_keys_removed += 1
+            if other is None or key not in other:  # else the other lower tier still holds it
+                gone.append(key)
         if not gone:
             return None
-        if tier is Tier.GPU:
+        if slot == _GPU:
             self.stats.keys_removed += len(gone)
         else:
             self.stats.host_keys_removed += len(gone)
-        return KeysRemoved(keys_to_bytes(gone), tier)
+        return KeysRemoved(keys_to_bytes(gone), Tier.GPU if slot == _GPU else Tier.HOST)

@@ -7,8 +7,10 @@ evictions in the same ``KVEventBatch``; an event's ``medium`` says which:
 ``"GPU"`` for the GPU block pool (``vllm/v1/core/block_pool.py``), ``"CPU"``
 for the host tier (``vllm/distributed/kv_transfer/kv_connector/v1/offloading/
 events.py``; ``vllm.distributed.kv_events.MEDIUM_CPU``).  Events without a
-medium (older engines) are GPU events.  Other media (``"STORAGE"``: a disk
-tier behind the CPU one) are not routed on and are ignored, counted.
+medium (older engines) are GPU events.  ``"STORAGE"`` (:data:`MEDIUM_STORAGE`: a
+disk tier behind the CPU one, vLLM's tiering ``fs`` tier) is not a tier of its
+own for routers: the relay (``routing.relay``) announces a key on the host tier
+while host memory or the disk holds it.  Other media are ignored, counted.
 
 How a hit uses the tiers (vLLM 0.32's scheduler): the GPU prefix cache serves
 the longest prefix it holds (``g`` blocks); the offloading connector then loads
@@ -28,7 +30,8 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-__all__ = ["HOST_LINK_BYTES_PER_S", "TIER_LABELS", "Tier", "host_hit_blocks", "tier_of_medium"]
+__all__ = ["DISK_READ_BYTES_PER_S", "HOST_LINK_BYTES_PER_S", "MEDIUM_STORAGE", "TIER_LABELS", "Tier",
+           "host_hit_blocks", "tier_of_medium"]
 
 
 class Tier(IntEnum):
@@ -45,6 +48,9 @@ TIER_LABELS = {Tier.GPU: "gpu", Tier.HOST: "host"}
 
 _MEDIA = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.HOST}
 
+MEDIUM_STORAGE = "STORAGE"
+"""``medium`` of vLLM's secondary (disk) tier events (``vllm.distributed.kv_events.MEDIUM_STORAGE``)."""
+
 HOST_LINK_BYTES_PER_S = 25.0e9
 """Default host-to-GPU copy bandwidth, bytes/s: PCIe 4.0 x16 (an RTX 4090's link).
 
@@ -54,6 +60,17 @@ Specification 4.0).  A copy from pinned host memory is assumed to reach about
 80 % of that (DMA set-up and transaction-layer packet overhead): 25 GB/s, the
 simulator's figure too (``bench.sim.latency``).  Set ``router.host_link_gb_per_s``
 to a measurement (e.g. CUDA's ``bandwidthTest --memory=pinned``) for other links."""
+
+
+DISK_READ_BYTES_PER_S = 6.0e9
+"""Default read bandwidth of a node's local NVMe disk tier, bytes/s (vLLM's tiering ``fs`` tier).
+
+A PCIe 4.0 x4 NVMe drive's link carries 4 * 16e9 * 128/130 / 8 = 7.9 GB/s each way (PCI-SIG,
+PCI Express Base Specification 4.0); drives of that class list about 7.3-7.45 GB/s of
+sequential reads (Samsung 990 PRO datasheet: 7,450 MB/s; WD_BLACK SN850X: 7,300 MB/s).  vLLM's
+``fs`` tier reads one file per offloaded chunk (a few hundred KB to a few MB for 7B-class
+models) on 16 threads with ``O_DIRECT``; about 80 % of the sequential figure is assumed:
+6.0 GB/s.  Measure your own (e.g. ``fio --rw=randread --bs=512k --direct=1 --iodepth=16``)."""
 
 
 def tier_of_medium(medium: str | None) -> Tier | None:

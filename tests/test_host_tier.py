@@ -90,18 +90,20 @@ class Engine:
 
         return [make_offload_key(req.block_hashes[(c + 1) * self.k - 1], 0) for c in chunks]
 
-    def offload(self, req, chunks) -> None:
+    def offload(self, req, chunks, medium: str = "CPU") -> None:
+        """Store the chunks on the host tier (``CPU``) or on the disk behind it (``STORAGE``, vLLM's
+        tiering ``fs`` tier, whose stores the same tracker translates)."""
         from vllm.v1.kv_offload.base import Medium, OffloadingEvent
 
         keys = self._keys(req, chunks)
         for c, key in zip(chunks, keys, strict=True):
             self.tracker.record_store(req, self.group, c, key)
-        self.pending.append(OffloadingEvent(keys=keys, medium=Medium.CPU, removed=False, removal_expected=True))
+        self.pending.append(OffloadingEvent(keys=keys, medium=Medium[medium], removed=False, removal_expected=True))
 
-    def drop_host(self, req, chunks) -> None:
+    def drop_host(self, req, chunks, medium: str = "CPU") -> None:
         from vllm.v1.kv_offload.base import Medium, OffloadingEvent
 
-        self.pending.append(OffloadingEvent(keys=self._keys(req, chunks), medium=Medium.CPU, removed=True))
+        self.pending.append(OffloadingEvent(keys=self._keys(req, chunks), medium=Medium[medium], removed=True))
 
     def evict_gpu(self, req) -> None:
         blocks = self.held.pop(id(req))
@@ -210,14 +212,51 @@ def test_placeholder_for_a_hash_never_seen_is_counted_and_dropped() -> None:
     assert out == [] and relay.stats.host_unknown_blocks == 2 and relay.num_keys(Tier.HOST) == 0
 
 
-def test_storage_tier_and_other_groups_are_ignored() -> None:
+def test_other_media_and_other_groups_are_ignored() -> None:
     relay = KeyRelay(BS)
     tokens = tokens_of(3, 1)
     assert relay.apply([BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=tokens, block_size=BS,
-                                    lora_id=None, medium="STORAGE", lora_name=None, group_idx=0)]) == []
+                                    lora_id=None, medium="OBJECT_STORE", lora_name=None, group_idx=0)]) == []
     assert relay.apply([BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=tokens, block_size=BS,
                                     lora_id=None, medium="GPU", lora_name=None, group_idx=1)]) == []
     assert relay.stats.ignored_media == 1 and relay.stats.ignored_events == 1 and len(relay) == 0
+    assert relay.num_keys(Tier.HOST) == 0
+
+
+@pytest.mark.parametrize("self_describing", [True, False])
+def test_a_disk_tier_holds_a_key_on_the_host_tier_until_both_drop_it(self_describing) -> None:
+    """vLLM's tiering writes every host chunk through to its disk tier (``medium="STORAGE"``) and
+    reads a disk-only chunk back through host memory: for routers a key is on the host tier while
+    either holds it. Announced once, withdrawn once, whichever order the two drop it in."""
+    eng = Engine(self_describing)
+    relay, index = KeyRelay(BS), BlockIndex()
+    index.add_replica("r0")
+    tokens = tokens_of(4, 4)
+    keys = block_keys(tokens + [5], BS)
+    req = eng.request(tokens + [5])
+    eng.compute(req)
+    eng.offload(req, range(4))
+    eng.offload(req, range(4), "STORAGE")  # the write-through
+    follow(index, relay, eng.take())
+    assert index.match_tiers(keys, ("r0",), 0.0) == {"r0": (4, 4)}
+    eng.evict_gpu(req)
+    eng.drop_host(req, range(4))  # host memory evicts all four: the disk still holds them
+    follow(index, relay, eng.take())
+    assert index.match_tiers(keys, ("r0",), 0.0) == {"r0": (0, 4)}
+    assert relay.num_keys(Tier.HOST) == 4 and index.replica_host_blocks("r0") == 4
+    assert relay.stats.disk_keys_stored == 4 and relay.stats.host_keys_stored == 4  # announced once
+    eng.offload(req, range(2))  # promoted back into host memory: nothing new for routers
+    follow(index, relay, eng.take())
+    assert relay.stats.host_keys_stored == 4
+    eng.drop_host(req, range(2, 4), "STORAGE")  # blocks 2-3 are in neither now; 0-1 still in host memory
+    follow(index, relay, eng.take())
+    assert index.match_tiers(keys, ("r0",), 0.0) == {"r0": (0, 2)}
+    eng.drop_host(req, range(2))
+    eng.drop_host(req, range(2), "STORAGE")
+    follow(index, relay, eng.take())
+    assert index.match_tiers(keys, ("r0",), 0.0) == {"r0": (0, 0)} and index.num_host_keys == 0
+    assert relay.stats.host_keys_removed == 4 and relay.stats.disk_keys_removed == 4
+    assert relay.num_keys(Tier.HOST) == 0 and relay.stats.ignored_media == 0
 
 
 def test_an_engine_cache_reset_drops_both_tiers_and_later_copies_count_once() -> None:
@@ -480,12 +519,17 @@ def test_changing_the_followed_group_forgets_what_the_relay_held() -> None:
 
 
 @pytest.mark.parametrize("self_describing", [True, False])
-def test_host_hit_routes_home_through_vllms_publisher_relay_and_subscriber(monkeypatch, self_describing) -> None:
+@pytest.mark.parametrize("lower", ["CPU", "STORAGE"])
+def test_host_hit_routes_home_through_vllms_publisher_relay_and_subscriber(monkeypatch, self_describing,
+                                                                           lower) -> None:
     """vLLM's ZmqEventPublisher -> RelayServer -> RelayReader -> RouterState (its index and decisions).
 
     r0 computed and offloaded a prompt, then its GPU evicted it; r1 holds nothing. A router
     that starts afterwards (from the relays' snapshots) routes the prompt to r0 as a host hit;
-    once r0's host tier drops it too, the prompt has no home."""
+    once r0's host tier drops it too, the prompt has no home. With ``lower`` ``STORAGE`` the
+    prompt was written through to r0's disk tier and host memory evicted it: kept only on disk,
+    it routes home the same way (vLLM reads it back through host memory), and its removal from
+    the disk ends it."""
     from routing.relay_server import RelayServer
     from tests.owner_loop import Owner
 
@@ -504,8 +548,12 @@ def test_host_hit_routes_home_through_vllms_publisher_relay_and_subscriber(monke
         req = eng.request(tokens + [2])
         eng.compute(req)
         eng.offload(req, range(6))
+        if lower == "STORAGE":
+            eng.offload(req, range(6), "STORAGE")
         pub.publish(vkv.KVEventBatch(ts=time.time(), events=eng.events()))
         eng.evict_gpu(req)
+        if lower == "STORAGE":
+            eng.drop_host(req, range(6))
         pub.publish(vkv.KVEventBatch(ts=time.time(), events=eng.events()))
         wait_for(lambda: relay.stats["vllm_batches"] == 2)
         assert len(relay.relay) == 0 and relay.relay.num_keys(Tier.HOST) == 6
@@ -523,7 +571,7 @@ def test_host_hit_routes_home_through_vllms_publisher_relay_and_subscriber(monke
         assert sub.call(lambda: router.replicas["r0"].queued_prefill_tokens) == 1  # only the last token is prefilled
         sub.call(lambda: router.completed("q1", time.time()))  # its blind-window prediction lives 2 s more
         time.sleep(0.3)  # the live SUB's subscription reaches the relay
-        eng.drop_host(req, range(6))
+        eng.drop_host(req, range(6), lower)
         pub.publish(vkv.KVEventBatch(ts=time.time(), events=eng.events()))
         wait_for(lambda: sub.call(index.replica_host_blocks, "r0") == 0)
         d = sub.call(lambda: router.choose("q2", request, cands, time.time() + 60))  # the prediction expired
