@@ -302,3 +302,24 @@ def test_identical_policies_share_one_legend_entry():
             "prefix_affinity": {"ttft_quantiles_s": [0.05, 0.1, 0.2], "hit_rate": 0.3},
             "random": {"ttft_quantiles_s": q, "hit_rate": 0.2}}
     assert identical_groups(pols) == [["pow2"], ["prefix_affinity", "prefix_affinity_tier_blind"], ["random"]]
+
+
+def test_sweep_over_disk_tiers_varies_them_only_with_a_host_tier(tmp_path, capsys):
+    from bench.sim.sweep import main as sweep_main
+    from bench.sim.sweep import report_path
+
+    args = ["--workload", "chat", "--num-requests", "60", "--policies", "round_robin,prefix_affinity", "--rates", "1",
+            "--presets", "4090-qwen2.5-7b-fp16", "--num-blocks", "300", "--out", str(tmp_path), "--no-progress",
+            "--kv-offloading-sizes", "0,0.5", "--kv-disk-sizes", "0,2"]
+    assert sweep_main(args) == 0
+    names = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert names == ["chat_fp16_d2_h0.5_x1.json", "chat_fp16_h0.5_x1.json", "chat_fp16_h0_x1.json"]
+    disk = json.loads(report_path(tmp_path, "chat", "4090-qwen2.5-7b-fp16", 1.0, 0.5, disk_gib=2).read_text())
+    assert disk["config"]["kv_disk_size_gib"] == 2 and disk["config"]["disk_blocks_per_replica"] > 0
+    table = capsys.readouterr().out
+    assert table.count("| chat | fp16, disk 2 GiB | 0.5 |") == 1 and table.count("| chat | fp16 | 0.5 |") == 1
+    for bad in ("-1", "x"):
+        with pytest.raises(SystemExit, match="--kv-disk-sizes"):
+            sweep_main([*args, "--kv-disk-sizes", bad])
+    with pytest.raises(SystemExit, match="--kv-disk-size is set by the sweep"):
+        sweep_main([*args, "--kv-disk-size", "1"])

@@ -226,15 +226,16 @@ class BlockPool:
             )
 
     def offer_to_host(self, hashes: Sequence[int], start: int, end: int, token_ids: Sequence[int] | None,
-                      cache_salt: str | None = None) -> None:
-        """Offer the host tier blocks ``start:end`` of a sequence (cached here), with their events
-        when events are on; which blocks and when is the replica's call (``bench.sim.replica``)."""
+                      cache_salt: str | None = None, cascade: bool = True) -> None:
+        """Offer the host tier blocks ``start:end`` of a sequence (cached here, or promoted from the
+        disk tier with ``cascade`` off), with their events when events are on; which blocks and
+        when is the replica's call (``bench.sim.replica``)."""
         assert self.host is not None
         bs = self.block_size
         tokens = token_ids[start * bs: end * bs] if self.enable_events and token_ids is not None else None
         self.host.store(hashes[start:end], hashes[start - 1] if start else None, tokens,
                         (cache_salt,) if start == 0 and cache_salt else None,
-                        self.events if self.enable_events else None)
+                        self.events if self.enable_events else None, cascade)
 
     def free_blocks(self, blocks_in_eviction_order: Iterable[int]) -> None:
         """Drop one reference from each block; released ones join the free queue.

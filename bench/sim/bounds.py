@@ -10,16 +10,17 @@ them) are in the cache.
 
 * ``pooled_cache_hit_rate``: the cache holds as many blocks as all replicas
   together (``replicas * (num_blocks - 1)``, plus each replica's host-memory
-  tier when it has one: a block in either tier is a hit) and evicts least recently used
+  tier and disk tier when it has them: a block in any tier is a hit) and evicts least recently used
   blocks first, a request's tail blocks before its head blocks (vLLM's order).
   It ignores that running requests pin their blocks and that one request's
   blocks are spread over time, so it is an optimistic reference for any
   router over the same total memory, not a strict maximum.
 * ``pooled_inclusive_hit_rate`` (with host-memory tiers): the same pooled LRU
-  over the distinct blocks the two tiers hold.  vLLM's native offloading copies
-  every computed block to the host tier, so a replica's tiers hold at most
-  ``max(GPU blocks, host blocks)`` distinct blocks, not their sum: the
-  pooled-LRU reference for engines whose tiers are inclusive.
+  over the distinct blocks the tiers hold.  vLLM's native offloading copies
+  every computed block to the host tier (and its tiering writes every host
+  block through to a disk tier), so a replica's tiers hold at most
+  ``max(GPU blocks, host blocks, disk blocks)`` distinct blocks, not their sum:
+  the pooled-LRU reference for engines whose tiers are inclusive.
 * ``pooled_optimal_hit_rate``: the same pooled capacity with offline
   optimal eviction (Belady's MIN, with bypass): when over capacity, the
   block whose next use (a later request looking it up within its prompt)
@@ -127,9 +128,10 @@ def cache_hit_rates(workload: Workload, block_size: int, pooled_blocks: int,
         block_size: KV-cache block size.
         pooled_blocks: capacity of the pooled cache in blocks.
         max_model_len: requests longer than this are skipped (the engines reject them).
-        inclusive_blocks: with host-memory tiers, the distinct blocks the replicas' two
+        inclusive_blocks: with host-memory tiers, the distinct blocks the replicas'
             tiers can hold together (vLLM's native offloading copies every GPU block to
-            the host tier: ``replicas * max(GPU blocks, host blocks)``); adds
+            the host tier, and its tiering writes every host block through to the disk:
+            ``replicas * max(GPU blocks, host blocks, disk blocks)``); adds
             ``pooled_inclusive_hit_rate``, pooled LRU at that capacity.
     """
     workload.prepare(block_size)

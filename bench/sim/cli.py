@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "offered N times (below 2: every block; default 0)")
     ap.add_argument("--host-eviction", choices=EVICTION_POLICIES, default="lru",
                     help="host-tier eviction, as vLLM's eviction_policy (lru)")
+    ap.add_argument("--kv-disk-size", type=float, default=0.0, metavar="GIB",
+                    help="local-disk KV tier per replica in GiB behind the host tier, as vLLM's tiering fs tier "
+                         "(written through from the host tier, read back through it); needs "
+                         "--kv-offloading-size (0: none)")
+    ap.add_argument("--disk-read-gb-per-s", type=float, default=None, metavar="GB/S",
+                    help="the disk tier's read bandwidth, GB/s (default: routing.tiers.DISK_READ_BYTES_PER_S, 6.0)")
     ap.add_argument("--placeholder-host-events", action="store_true",
                     help="host-tier stores published as vLLM's placeholders (default: self-describing)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None, help="preset: 0.90")
@@ -204,6 +210,15 @@ def _cluster(args: argparse.Namespace) -> tuple[ClusterConfig, dict[str, Any]]:
         raise SystemExit(f"--host-store-threshold must be >= 0, got {args.host_store_threshold}")
     # vLLM's native backend: cpu_bytes_to_use = kv_offloading_size * 2**30, one engine block a chunk.
     host_blocks = int(args.kv_offloading_size * GIB) // (bs * latency.model.kv_bytes_per_token)
+    if not args.kv_disk_size >= 0:
+        raise SystemExit(f"--kv-disk-size must be >= 0 GiB, got {args.kv_disk_size}")
+    if args.kv_disk_size and not host_blocks:
+        raise SystemExit("--kv-disk-size needs --kv-offloading-size: vLLM's disk tier sits behind its host tier")
+    disk_blocks = int(args.kv_disk_size * GIB) // (bs * latency.model.kv_bytes_per_token)
+    if args.disk_read_gb_per_s is not None:
+        if not args.disk_read_gb_per_s > 0:
+            raise SystemExit(f"--disk-read-gb-per-s must be > 0, got {args.disk_read_gb_per_s}")
+        latency = replace(latency, disk_read_bandwidth=args.disk_read_gb_per_s * 1e9)
     engine = EngineConfig(
         num_blocks=num_blocks,
         block_size=bs,
@@ -214,6 +229,7 @@ def _cluster(args: argparse.Namespace) -> tuple[ClusterConfig, dict[str, Any]]:
         self_describing_host_events=not args.placeholder_host_events,
         host_store_threshold=args.host_store_threshold,
         host_eviction=args.host_eviction,
+        disk_blocks=disk_blocks,
     )
     cfg = ClusterConfig(
         replicas=args.replicas,
@@ -240,6 +256,8 @@ def _cluster(args: argparse.Namespace) -> tuple[ClusterConfig, dict[str, Any]]:
         # Named only with a tier: reports of host tiers from before GPU-hit offers (2026-12-05) differ.
         **({"host_store_threshold": args.host_store_threshold, "host_eviction": args.host_eviction}
            if host_blocks else {}),
+        **({"kv_disk_size_gib": args.kv_disk_size, "disk_blocks_per_replica": disk_blocks,
+            "disk_read_bytes_per_s": round(latency.disk_read_bandwidth)} if disk_blocks else {}),
         "gpu_memory_utilization": util,
         "max_model_len": max_len,
         "max_num_batched_tokens": engine.max_num_batched_tokens,
@@ -365,10 +383,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                   "runtime_s": round(time.perf_counter() - t0, 2)}]
         return {**earlier, "config": {**earlier["config"], "router": info["router"]}, "policies": merged,
                 "updated": updated, "acceptance": acceptance(merged, earlier["bounds"])}
-    gpu, host = cfg.engine.num_blocks - 1, cfg.engine.host_blocks
-    pooled = args.replicas * (gpu + host)  # both tiers
+    gpu, host, disk = cfg.engine.num_blocks - 1, cfg.engine.host_blocks, cfg.engine.disk_blocks
+    pooled = args.replicas * (gpu + host + disk)  # every tier
     bounds = cache_hit_rates(wl, cfg.engine.block_size, pooled, cfg.engine.max_model_len,
-                             inclusive_blocks=args.replicas * max(gpu, host) if host else None)
+                             inclusive_blocks=args.replicas * max(gpu, host, disk) if host else None)
     return {
         "config": info,
         "workload": {"name": wl.name, **wl.stats(), "params": _jsonable(wl.params)},
@@ -389,9 +407,12 @@ def _jsonable(x: Any) -> Any:
 
 def format_table(report: dict[str, Any]) -> str:
     """A plain-text table of the report's main numbers."""
-    rows = [("policy", "hit %", "host %", "TTFT p50", "p90", "p99", "ITL p50", "p99", "tok/s", "imbal")]
+    disk = bool(report["config"].get("disk_blocks_per_replica"))
+    rows = [("policy", "hit %", "host %", *(("disk %",) if disk else ()), "TTFT p50", "p90", "p99", "ITL p50", "p99",
+             "tok/s", "imbal")]
     for nm, p in report["policies"].items():
         rows.append((nm, f"{p['hit_rate'] * 100:.1f}", f"{p.get('host_hit_rate', 0.0) * 100:.1f}",
+                     *((f"{p.get('disk_hit_rate', 0.0) * 100:.1f}",) if disk else ()),
                      f"{p['ttft_p50_s']:.3f}", f"{p['ttft_p90_s']:.3f}",
                      f"{p['ttft_p99_s']:.3f}", f"{p['itl_p50_s'] * 1000:.1f}ms", f"{p['itl_p99_s'] * 1000:.1f}ms",
                      f"{p['throughput_tok_s']:.0f}", f"{p['load_imbalance']:.2f}"))

@@ -95,6 +95,7 @@ class PolicyRun:
     rejected: int
     wall_s: float
     extra: dict = field(default_factory=dict)
+    disk_cached_tokens: np.ndarray | None = None  # of host_cached_tokens, those promoted from the disk tier
 
 
 def simulate_policy(
@@ -126,6 +127,7 @@ def simulate_policy(
     finish = np.full(n, np.nan)
     cached = np.zeros(n, dtype=np.int64)
     host_cached = np.zeros(n, dtype=np.int64)
+    disk_cached = np.zeros(n, dtype=np.int64)
     where = np.full(n, -1, dtype=np.int64)
     done = np.zeros(n, dtype=bool)
 
@@ -150,6 +152,7 @@ def simulate_policy(
         finish[rid] = now
         cached[rid] = st.cached_tokens
         host_cached[rid] = st.host_cached_tokens
+        disk_cached[rid] = st.disk_cached_tokens
         done[rid] = True
         policy.completed(st.req, st.replica, now)
         on_done(1)
@@ -288,6 +291,7 @@ def simulate_policy(
         prompt_tokens=np.array([r.prompt_len for r in reqs], dtype=np.int64)[keep],
         cached_tokens=cached[keep],
         host_cached_tokens=host_cached[keep],
+        disk_cached_tokens=disk_cached[keep],
         output_tokens=np.array([r.output_len for r in reqs], dtype=np.int64)[keep],
         arrival_s=np.array([r.arrival_s for r in reqs], dtype=np.float64)[keep],
         ttft_s=ttft[keep],
@@ -310,5 +314,9 @@ def simulate_policy(
                 "host_evicted_blocks": int(sum(r.host.evictions for r in replicas if r.host)),
                 "host_loaded_blocks": int(sum(r.host.loads for r in replicas if r.host))}
                if cfg.engine.host_blocks else {}),
+            **({"disk_stored_blocks": int(sum(r.disk.stores for r in replicas if r.disk)),
+                "disk_evicted_blocks": int(sum(r.disk.evictions for r in replicas if r.disk)),
+                "disk_read_blocks": int(sum(r.disk.reads for r in replicas if r.disk))}
+               if cfg.engine.disk_blocks else {}),
         },
     )

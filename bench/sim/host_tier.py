@@ -51,10 +51,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from routing.events import BlockRemoved, BlockStored, EngineBlockHash, KVEvent
 
-__all__ = ["EVICTION_POLICIES", "HostTier", "MAX_TRACKER_SIZE", "MEDIUM_CPU"]
+if TYPE_CHECKING:  # pragma: no cover
+    from bench.sim.disk_tier import DiskTier
+
+__all__ = ["EVICTION_POLICIES", "HostTier", "MAX_TRACKER_SIZE", "MEDIUM_CPU", "stored_events"]
 
 MEDIUM_CPU = "CPU"
 """``medium`` of vLLM's host-tier (CPU offloading) events."""
@@ -184,7 +188,7 @@ class HostTier:
     """
 
     __slots__ = ("capacity", "block_size", "self_describing", "store_threshold", "eviction", "_policy", "counts",
-                 "stores", "evictions", "loads", "skipped")
+                 "stores", "evictions", "loads", "skipped", "disk")
 
     def __init__(self, capacity_blocks: int, block_size: int, self_describing: bool = True,
                  store_threshold: int = 0, eviction: str = "lru") -> None:
@@ -205,6 +209,7 @@ class HostTier:
         self.evictions = 0
         self.loads = 0
         self.skipped = 0  # offered blocks admission held back
+        self.disk: DiskTier | None = None  # the disk tier behind this one (``bench.sim.disk_tier``), if any
 
     def __len__(self) -> int:
         return len(self._policy)
@@ -236,9 +241,11 @@ class HostTier:
         self.loads += len(hashes)
 
     def store(self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int] | None,
-              extra_first: tuple | None, events: list[KVEvent] | None) -> None:
+              extra_first: tuple | None, events: list[KVEvent] | None, cascade: bool = True) -> None:
         """A request offers these blocks (``hashes``, in chain order, after ``parent``): held ones
-        are reused, the others stored as admission allows (see the module doc).
+        are reused, the others stored as admission allows (see the module doc).  With a disk tier
+        behind this one, the newly stored blocks are written to it too (``cascade``; a promotion
+        from the disk is not).
 
         Args:
             hashes: the blocks' hashes.
@@ -279,6 +286,8 @@ class HostTier:
             self.stores += len(new)
             stored = {hashes[i] for i in new}
             self._published(hashes, new, parent, token_ids, extra_first, events)
+            if cascade and self.disk is not None:
+                self.disk.write(hashes, new, parent, token_ids, extra_first, events)
         # The request's accesses, tail first: its first blocks end most recent.
         for h in reversed(hashes):
             if h in stored:
@@ -310,27 +319,47 @@ class HostTier:
 
     def _published(self, hashes: Sequence[int], new: list[int], parent: int | None,
                    token_ids: Sequence[int] | None, extra_first: tuple | None, events: list[KVEvent] | None) -> None:
-        """One ``BlockStored`` per run of consecutive newly stored blocks (indices ``new``, ascending)."""
-        if events is None or not new:
-            return
-        a = prev = new[0]
-        for i in new[1:]:
-            if i != prev + 1:
-                self._stored(hashes, a, prev + 1, parent, token_ids, extra_first, events)
-                a = i
-            prev = i
-        self._stored(hashes, a, prev + 1, parent, token_ids, extra_first, events)
+        if events is not None:
+            stored_events(hashes, new, parent, token_ids, extra_first, self.block_size, self.self_describing,
+                          MEDIUM_CPU, events)
 
-    def _stored(self, hashes: Sequence[int], a: int, b: int, parent: int | None, token_ids: Sequence[int] | None,
-                extra_first: tuple | None, events: list[KVEvent]) -> None:
-        """The ``BlockStored`` of the newly stored blocks ``hashes[a:b]``."""
-        if not self.self_describing:
+
+def stored_events(hashes: Sequence[int], idx: Sequence[int], parent: int | None, token_ids: Sequence[int] | None,
+                  extra_first: tuple | None, block_size: int, self_describing: bool, medium: str,
+                  events: list[KVEvent]) -> None:
+    """Append a tier's ``BlockStored`` events for the newly stored ``hashes[i]``, ``i`` in ``idx``
+    (ascending): one per run of consecutive blocks, where vLLM sends one per chunk (the same
+    blocks, fewer events).
+
+    Args:
+        hashes: an offer's blocks in chain order (``hashes[0]`` after ``parent``).
+        idx: indices into ``hashes`` of the stored blocks, ascending.
+        parent: the hash of the block before ``hashes[0]``, None at a sequence's start.
+        token_ids: the tokens of ``hashes`` (``len(hashes) * block_size``); needed when self-describing.
+        extra_first: the first block's extra keys when it starts a sequence (its cache_salt).
+        block_size: tokens per block.
+        self_describing: token ids and parents (``kv_connector_extra_config["self_describing_kv_events"]``),
+            else vLLM's placeholders (``token_ids=[]``, no parent, ``block_size=0``).
+        medium: the events' ``medium`` (``"CPU"``, ``"STORAGE"``).
+        events: where to append them.
+    """
+    if not idx:
+        return
+    runs: list[tuple[int, int]] = []
+    a = prev = idx[0]
+    for i in idx[1:]:
+        if i != prev + 1:
+            runs.append((a, prev + 1))
+            a = i
+        prev = i
+    runs.append((a, prev + 1))
+    for a, b in runs:
+        if not self_describing:
             events.append(BlockStored(block_hashes=list(hashes[a:b]), parent_block_hash=None, token_ids=[],
-                                      block_size=0, lora_id=None, medium=MEDIUM_CPU, lora_name=None, group_idx=0))
-            return
-        bs = self.block_size
+                                      block_size=0, lora_id=None, medium=medium, lora_name=None, group_idx=0))
+            continue
         assert token_ids is not None, "a self-describing BlockStored needs the blocks' token ids"
-        tokens = token_ids[a * bs: b * bs]
+        tokens = token_ids[a * block_size: b * block_size]
         first_parent = parent if a == 0 else hashes[a - 1]
         extra: list[tuple | None] | None = None
         if a == 0 and first_parent is None and extra_first:
@@ -338,4 +367,4 @@ class HostTier:
         events.append(BlockStored(
             block_hashes=list(hashes[a:b]), parent_block_hash=first_parent,
             token_ids=tokens.tolist() if hasattr(tokens, "tolist") else list(tokens),
-            block_size=bs, lora_id=None, medium=MEDIUM_CPU, lora_name=None, extra_keys=extra, group_idx=0))
+            block_size=block_size, lora_id=None, medium=medium, lora_name=None, extra_keys=extra, group_idx=0))

@@ -40,6 +40,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from routing.tiers import DISK_READ_BYTES_PER_S
+
 __all__ = [
     "GIB",
     "GpuSpec",
@@ -218,6 +220,9 @@ class LatencyModel:
             of KV blocks from pinned host memory reaches.  Assumption: 0.8
             (DMA set-up and transaction-layer packet overhead); replace it with
             a measurement (e.g. CUDA's ``bandwidthTest --memory=pinned``).
+        disk_read_bandwidth: bytes/s the node's local disk tier reads KV blocks
+            at (vLLM's tiering ``fs`` tier); default and source
+            :data:`routing.tiers.DISK_READ_BYTES_PER_S`.
     """
 
     gpu: GpuSpec
@@ -227,6 +232,7 @@ class LatencyModel:
     step_overhead_s: float = 3e-3
     seq_overhead_s: float = 20e-6
     host_link_efficiency: float = 0.8
+    disk_read_bandwidth: float = DISK_READ_BYTES_PER_S
     _c: tuple = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
@@ -305,6 +311,10 @@ class LatencyModel:
     def host_load_time(self, tokens: int) -> float:
         """Seconds to copy the KV of ``tokens`` tokens from the host tier into GPU memory."""
         return tokens * self.model.kv_bytes_per_token / (self.gpu.host_link_bandwidth * self.host_link_efficiency)
+
+    def disk_load_time(self, tokens: int) -> float:
+        """Seconds to read the KV of ``tokens`` tokens from the disk tier into the host tier."""
+        return tokens * self.model.kv_bytes_per_token / self.disk_read_bandwidth
 
     def decode_step_time(self, batch: int, context: int) -> float:
         """One decode step of ``batch`` sequences of ``context`` tokens each."""

@@ -44,7 +44,10 @@ events through :class:`bench.sim.event_path.EventPath` after the event lag.
   second ``RadixTree`` holds the blocks of the ``medium="CPU"`` events and the
   overlap credit is ``device_blocks + 0.75 * host_blocks``
   (``--router-host-cache-hit-weight``'s default, ``lib/kv-router``'s router
-  config), ``host_blocks`` the host tree's match beyond the device one.  Active prefill work is
+  config), ``host_blocks`` the host tree's match beyond the device one.  With
+  disk tiers, a third tree holds the ``medium="STORAGE"`` blocks and their match
+  beyond both is credited at 0.25 (``--router-disk-cache-hit-weight``'s default,
+  the same config).  Active prefill work is
   tracked from routing until the first token (as Dynamo does when the first
   output token signals prefill completion); active blocks (prompt blocks of
   each request) until completion.  Dynamo's ``KvRouter`` binding itself
@@ -63,6 +66,10 @@ events through :class:`bench.sim.event_path.EventPath` after the event lag.
   and cpu 0.8 (llm-d-kv-cache ``DefaultKVCacheBackendConfig``,
   ``pkg/kvcache/backend.go``; ``LongestPrefixScorer`` adds the best weight of
   a pod's tiers for each consecutive block): GPU blocks, then host blocks.
+  llm-d weighs vLLM's disk tier (``medium="STORAGE"``) at 0.3 (the same config's
+  ``storage``); the simulator's llm-d index is a ``BlockIndex`` behind our relay,
+  which does not keep that tier yet, so llm-d here is blind to a disk tier, as
+  ours is.
 * ``prefix_affinity``: ours, the live router's decision sequence
   (:class:`routing.router_state.RouterState`, built by
   ``app.config.RouterConfig.router_state`` with the shipped defaults, fed by
@@ -381,7 +388,8 @@ class DynamoRadixIndex:
     so unique per prefix position); each block is given to Dynamo with that
     hash as both its ``block_hash`` and its ``tokens_hash`` (Dynamo's local
     block hash), and a prompt is looked up by its keys.  Host-tier events
-    (``medium="CPU"``) go to a second tree (``host_tree``).
+    (``medium="CPU"``) go to a second tree (``host_tree``), disk-tier events
+    (``medium="STORAGE"``) to a third (``disk_tree``).
     """
 
     def __init__(self, replica_ids: Sequence[str]) -> None:
@@ -393,6 +401,8 @@ class DynamoRadixIndex:
         self.tree = RadixTree()
         self.host_tree = RadixTree()
         self.has_host = False
+        self.disk_tree = RadixTree()
+        self.has_disk = False
         self.worker = {rid: i for i, rid in enumerate(replica_ids)}
         self.event_id = 0
         self.rejected_events = 0
@@ -406,6 +416,9 @@ class DynamoRadixIndex:
             if isinstance(ev, (BlockStored, BlockRemoved)) and ev.medium == "CPU":
                 tree = self.host_tree
                 self.has_host = True
+            elif isinstance(ev, (BlockStored, BlockRemoved)) and ev.medium == "STORAGE":
+                tree = self.disk_tree
+                self.has_disk = True
             if isinstance(ev, BlockStored):
                 data = {"stored": {"parent_hash": ev.parent_block_hash,
                                    "blocks": [{"block_hash": h, "tokens_hash": h} for h in ev.block_hashes]}}
@@ -426,6 +439,10 @@ class DynamoRadixIndex:
         """Leading blocks of ``keys`` each replica holds in host memory (from block 0)."""
         return self._scores(self.host_tree, keys, replica_ids) if self.has_host else dict.fromkeys(replica_ids, 0)
 
+    def match_disk(self, keys, replica_ids) -> dict[str, int]:
+        """Leading blocks of ``keys`` each replica holds on its disk tier (from block 0)."""
+        return self._scores(self.disk_tree, keys, replica_ids) if self.has_disk else dict.fromkeys(replica_ids, 0)
+
     def _scores(self, tree, keys, replica_ids) -> dict[str, int]:
         # Keyed by (worker_id, dp_rank) at run time (Dynamo's stub says worker_id).
         scores: dict[Any, int] = tree.find_matches(list(keys)).scores if len(keys) else {}
@@ -436,6 +453,7 @@ class DynamoPolicy(_IndexedPolicy):
     name = "dynamo"
     overlap_score_weight = 1.0
     host_cache_hit_weight = 0.75
+    disk_cache_hit_weight = 0.25
 
     def setup(self, ctx):
         super().setup(ctx)
@@ -449,10 +467,16 @@ class DynamoPolicy(_IndexedPolicy):
         bs = self.ctx.block_size
         keys = self._prompt_keys(req)
         ids = tuple(self.ctx.ids[r] for r in candidates)
-        overlap: dict[str, float] = dict(self._index.match(keys, ids, now))
+        device = self._index.match(keys, ids, now)
+        overlap: dict[str, float] = dict(device)
+        reach = dict(device)  # blocks matched on some tier so far
         for rid, host in self._index.match_host(keys, ids).items():
-            if host > overlap[rid]:  # host blocks beyond the device match, credited at the host weight
-                overlap[rid] += self.host_cache_hit_weight * (host - overlap[rid])
+            if host > reach[rid]:  # host blocks beyond the device match, credited at the host weight
+                overlap[rid] += self.host_cache_hit_weight * (host - reach[rid])
+                reach[rid] = host
+        for rid, disk in self._index.match_disk(keys, ids).items():
+            if disk > reach[rid]:  # disk blocks beyond both, credited at the disk weight
+                overlap[rid] += self.disk_cache_hit_weight * (disk - reach[rid])
         req_blocks = -(-req.prompt_len // bs)
         best: list[int] = []
         best_cost = float("inf")

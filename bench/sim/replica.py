@@ -59,6 +59,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench.sim.block_pool import BlockPool
+from bench.sim.disk_tier import DiskTier
 from bench.sim.host_tier import HostTier
 from bench.sim.latency import LatencyModel
 from bench.sim.workload import SimRequest
@@ -86,6 +87,8 @@ class EngineConfig:
             (vLLM's ``store_threshold``; below 2: every block).
         host_eviction: the host tier's eviction policy, ``lru`` or ``arc``
             (vLLM's ``eviction_policy``).
+        disk_blocks: blocks of its local-disk KV tier behind the host tier (0: none;
+            :mod:`bench.sim.disk_tier`, vLLM's tiering ``fs`` tier); needs ``host_blocks``.
     """
 
     num_blocks: int
@@ -97,10 +100,13 @@ class EngineConfig:
     self_describing_host_events: bool = True
     host_store_threshold: int = 0
     host_eviction: str = "lru"
+    disk_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (as vLLM requires)")
+        if self.disk_blocks and not self.host_blocks:
+            raise ValueError("a disk tier needs a host tier in front of it (vLLM's tiering: the CPU tier is primary)")
 
 
 class ReqState:
@@ -110,7 +116,7 @@ class ReqState:
         "req", "keys", "tokens", "P", "N", "T", "c", "blocks", "n_cached", "outputs", "order", "gen",
         "base_c", "base_step", "chunk", "cached_tokens", "admitted", "preemptions", "arrival_s",
         "first_token_s", "last_token_s", "finish_s", "replica", "user", "host_cached_tokens", "ready_at", "loading",
-        "warm", "host_offered",
+        "warm", "host_offered", "disk_cached_tokens", "promoted",
     )
 
     def __init__(self, req: SimRequest, arrival_s: float, tokens=None, user=None, warm: bool = False) -> None:
@@ -144,6 +150,8 @@ class ReqState:
         self.host_cached_tokens = 0
         self.ready_at = 0.0  # when its host-tier load is done
         self.loading = 0  # blocks being loaded from the host tier (0: none)
+        self.disk_cached_tokens = 0  # of host_cached_tokens, those promoted from the disk tier first
+        self.promoted = 0  # blocks promoted from the disk tier for its next host load, not loaded yet
 
 
 class Replica:
@@ -177,6 +185,10 @@ class Replica:
         self.host = (HostTier(config.host_blocks, config.block_size, config.self_describing_host_events,
                               config.host_store_threshold, config.host_eviction)
                      if config.host_blocks else None)
+        self.disk = DiskTier(config.disk_blocks, config.block_size, config.self_describing_host_events) \
+            if config.disk_blocks else None
+        if self.host is not None:
+            self.host.disk = self.disk
         self.pool = BlockPool(config.num_blocks, config.block_size, enable_events, self.host)
         self.loading: list[ReqState] = []  # admitted with a host-tier load in flight, by ready time
         self.link_free_at = 0.0  # when the host link finishes the loads queued on it
@@ -427,7 +439,7 @@ class Replica:
                         hit = pool.longest_hit(st.keys, limit)
                         n_hit = len(hit)
                         hit_tokens = n_hit * bs
-                        loaded = host.run(st.keys, n_hit, limit) if host is not None else 0
+                        loaded = self._lower_tier_run(st, n_hit, limit) if host is not None else 0
                         evictable = pool.evictable(hit) if hit else 0
                         full_need = -(-st.T // bs) - n_hit + evictable
                         if full_need > pool.num_free:
@@ -499,6 +511,37 @@ class Replica:
             self.pool.offer_to_host(st.keys, st.host_offered, end, st.tokens, st.req.cache_salt)
             st.host_offered = end
 
+    def _lower_tier_run(self, st: ReqState, n_hit: int, limit: int) -> int:
+        """Blocks of ``st`` after its ``n_hit`` GPU-hit ones, up to ``limit``, that the host tier holds
+        consecutively, after promoting into it those of the run that only the disk tier holds
+        (vLLM's tiering ``lookup``: the host tier first, then the disk; a promotion takes room in
+        the host tier as a store does, and finds none: a miss from there)."""
+        host, disk = self.host, self.disk
+        assert host is not None
+        if disk is None:
+            return host.run(st.keys, n_hit, limit)
+        keys = st.keys
+        end = n_hit
+        only_disk = 0
+        while end < limit:
+            h = keys[end]
+            if h in host:
+                end += 1
+            elif h in disk:
+                end += 1
+                only_disk += 1
+            else:
+                break
+        if only_disk:
+            read = [h for h in keys[n_hit:end] if h not in host]
+            disk.read(read)
+            self.pool.offer_to_host(keys, n_hit, end, st.tokens, st.req.cache_salt, cascade=False)
+            loaded = host.run(keys, n_hit, end)
+            wanted = set(read)
+            st.promoted += sum(1 for h in keys[n_hit:n_hit + loaded] if h in wanted)
+            return loaded
+        return end - n_hit
+
     def _start_load(self, st: ReqState, hit: list[int], n_hit: int, loaded: int, now: float) -> None:
         """Admit ``st`` with a host-tier load of ``loaded`` blocks after its ``n_hit`` GPU-hit blocks
         (neither is offered to the tier again: the connector's store pass starts after them)."""
@@ -511,11 +554,14 @@ class Replica:
         st.c = n_hit * bs
         st.loading = loaded
         start = max(now, self.link_free_at)
-        st.ready_at = self.link_free_at = start + self.latency.host_load_time(loaded * bs)
+        promoted, st.promoted = min(st.promoted, loaded), 0  # read from the disk before the host copy
+        st.ready_at = self.link_free_at = (start + self.latency.disk_load_time(promoted * bs)
+                                           + self.latency.host_load_time(loaded * bs))
         if not st.admitted:
             st.admitted = True
             st.cached_tokens = (n_hit + loaded) * bs
             st.host_cached_tokens = loaded * bs
+            st.disk_cached_tokens = promoted * bs
         self.loading.append(st)  # ready times rise: one link, loads in order
 
     def _push_sched(self, step: int, kind: int, st: ReqState) -> None:

@@ -80,7 +80,7 @@ def _fmt_pct(x: float | None) -> str:
 
 
 def setting_label(config: dict[str, Any]) -> str:
-    """``, fp8 KV, arc, store at 2nd offer`` for a report's ``config`` (empty for the defaults)."""
+    """``, fp8 KV, arc, store at offer 2, disk 1024 GiB`` for a report's ``config`` (empty for the defaults)."""
     out = ""
     if config.get("kv_cache_dtype", "auto") != "auto":
         out += f", {config['kv_cache_dtype']} KV"
@@ -88,6 +88,8 @@ def setting_label(config: dict[str, Any]) -> str:
         out += f", {config['host_eviction']}"
     if config.get("host_store_threshold", 0) >= 2:
         out += f", store at offer {config['host_store_threshold']}"
+    if config.get("kv_disk_size_gib"):
+        out += f", disk {config['kv_disk_size_gib']:g} GiB"
     return out
 
 

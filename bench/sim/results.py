@@ -4,6 +4,8 @@
   vLLM's ``num_cached_tokens`` of each request at its first scheduling, both
   tiers: GPU hits and blocks loaded from the host-memory tier).
 * ``host_hit_rate``: the part of ``hit_rate`` loaded from the host tier.
+* ``disk_hit_rate``: the part of ``host_hit_rate`` read from the disk tier first
+  (promoted into the host tier for the request).
 * ``ttft_p50_s`` / ``ttft_p90_s`` / ``ttft_p99_s``: time to first token from
   arrival at the router (router queue, engine queue, prefill).
 * ``itl_p50_s`` / ``itl_p99_s``: inter-token latency over every generated
@@ -50,9 +52,11 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
     busy = run.busy_s
     e2e = run.finish_s - run.arrival_s
     host_hit = int(run.host_cached_tokens.sum())
+    disk_hit = int(run.disk_cached_tokens.sum()) if run.disk_cached_tokens is not None else 0
     return {
         "hit_rate": hit / prompt if prompt else 0.0,
         "host_hit_rate": host_hit / prompt if prompt else 0.0,
+        "disk_hit_rate": disk_hit / prompt if prompt else 0.0,
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p90_s": percentile(ttft, 90),
         "ttft_p99_s": percentile(ttft, 99),
@@ -68,6 +72,7 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "cached_tokens": hit,
         "host_cached_tokens": host_hit,
+        "disk_cached_tokens": disk_hit,
         "output_tokens": out_tokens,
         "preemptions": run.preemptions,
         "replica_busy_s": [round(float(b), 3) for b in busy],

@@ -16,6 +16,12 @@ Examples::
         --kv-cache-dtypes auto,fp8 --host-evictions lru,arc --host-store-thresholds 0,2 \
         --policies prefix_affinity,dynamo,llm_d,ray_prefix --seed 1 --jobs 2 \
         --out docs/results/2026-12-05-sim-fp8-host-policies
+    # a local-disk tier behind the host tier (varied only where there is a host tier)
+    python -m bench.sim.sweep --trace ../shared/workloads/mooncake_synthetic_trace.jsonl \
+        --presets 4090-qwen2.5-7b-fp16 --num-blocks 5900 --rates 0.5,1,2 --kv-offloading-sizes 32 \
+        --kv-cache-dtypes fp8 --host-evictions arc --kv-disk-sizes 0,1024 \
+        --policies prefix_affinity,dynamo,llm_d,ray_prefix --seed 1 --jobs 2 \
+        --out docs/results/2026-12-06-sim-disk-tier
     # after a router change: re-run only ours into the same reports, then redraw
     python -m bench.sim.sweep --workload rag --rates 1,2 --out docs/results/2026-11-30-sim-load-sweep \\
         --policies prefix_affinity --update
@@ -23,8 +29,8 @@ Examples::
 Each point is one ``python -m bench.sim`` run (same options; see
 :mod:`bench.sim.cli`), written to ``OUT/<workload>_<preset>_x<rate>.json``
 (``OUT/<workload>_<preset>_h<GiB>_x<rate>.json`` with ``--kv-offloading-sizes``; a KV dtype,
-eviction policy or store threshold other than the default is named before ``_h``, e.g.
-``_fp8_arc_t2``);
+eviction policy, store threshold or disk tier other than the default is named before ``_h``,
+e.g. ``_fp8_arc_t2_d1024``);
 a point whose report exists is kept (``--force`` re-runs it), so an interrupted
 sweep resumes.  Then ``OUT/<workload>_sweep.png`` draws, per preset and host
 tier size, the hit rate and the p90 TTFT of every policy against the rate scale
@@ -62,17 +68,19 @@ def _short(preset: str) -> str:
 
 
 def report_path(out: Path, workload: str, preset: str, rate: float, host_gib: float | None = None,
-                kv_dtype: str = "auto", eviction: str = "lru", store_threshold: int = 0) -> Path:
+                kv_dtype: str = "auto", eviction: str = "lru", store_threshold: int = 0,
+                disk_gib: float = 0.0) -> Path:
     """Where the sweep keeps one point's report (``host_gib``: its host tier, when the sweep varies it;
-    ``kv_dtype``, the host tier's ``eviction`` and ``store_threshold``: named unless the defaults)."""
+    ``kv_dtype``, the host tier's ``eviction`` and ``store_threshold``, and the disk tier behind it:
+    named unless the defaults)."""
     host = "" if host_gib is None else f"_h{host_gib:g}"
-    setting = _setting_suffix(kv_dtype, eviction, store_threshold)
+    setting = _setting_suffix(kv_dtype, eviction, store_threshold, disk_gib)
     return out / f"{workload}_{_short(preset)}{setting}{host}_x{rate:g}.json"
 
 
-def _setting_suffix(kv_dtype: str, eviction: str, store_threshold: int) -> str:
+def _setting_suffix(kv_dtype: str, eviction: str, store_threshold: int, disk_gib: float = 0.0) -> str:
     return ("" if kv_dtype == "auto" else f"_{kv_dtype}") + ("" if eviction == "lru" else f"_{eviction}") + (
-        f"_t{store_threshold}" if store_threshold >= 2 else "")
+        f"_t{store_threshold}" if store_threshold >= 2 else "") + (f"_d{disk_gib:g}" if disk_gib else "")
 
 
 def _host_gib(report: dict[str, Any]) -> float:
@@ -162,13 +170,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of host-tier eviction policies (lru,arc), at each host tier size above 0")
     ap.add_argument("--host-store-thresholds", default="0", metavar="N,...",
                     help="comma list of host-tier store thresholds (0,2,...), at each host tier size above 0")
+    ap.add_argument("--kv-disk-sizes", default="0", metavar="GIB,...",
+                    help="comma list of local-disk KV tier sizes per replica in GiB behind the host tier "
+                         "(0: none), at each host tier size above 0")
     ap.add_argument("--out", required=True, help="folder of the reports and the figure")
     ap.add_argument("--force", action="store_true", help="re-run points whose report exists")
     ap.add_argument("--update", action="store_true",
                     help="re-run only --policies into the existing reports (python -m bench.sim --update)")
     args, rest = ap.parse_known_args(argv)
     for flag in ("--rate-scale", "--preset", "--json", "--plot", "--update", "--kv-offloading-size",
-                 "--kv-cache-dtype", "--host-eviction", "--host-store-threshold"):
+                 "--kv-cache-dtype", "--host-eviction", "--host-store-threshold", "--kv-disk-size"):
         if any(a == flag or a.startswith(flag + "=") for a in rest):
             raise SystemExit(f"{flag} is set by the sweep itself")
     try:
@@ -199,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
             from None
     if not thresholds or min(thresholds) < 0:
         raise SystemExit(f"--host-store-thresholds must be integers >= 0: {args.host_store_thresholds!r}")
+    try:
+        disks = sorted({float(d) for d in args.kv_disk_sizes.split(",") if d.strip()})
+    except ValueError:
+        raise SystemExit(f"--kv-disk-sizes: not a comma list of numbers: {args.kv_disk_sizes!r}") from None
+    if not disks or any(not (math.isfinite(d) and d >= 0) for d in disks):
+        raise SystemExit(f"--kv-disk-sizes must be finite GiB >= 0: {args.kv_disk_sizes!r}")
     unknown = [p for p in presets if p not in PRESETS]
     if unknown or not presets or not rates or min(rates) <= 0:
         raise SystemExit(f"--presets must be of {', '.join(sorted(PRESETS))} and --rates positive")
@@ -208,16 +225,17 @@ def main(argv: list[str] | None = None) -> int:
     name = None
     reports = []
     t0 = time.perf_counter()
-    # Admission and eviction vary only where there is a host tier.
-    points = [(pre, dtype, host, ev, th, rate) for pre in presets for dtype in dtypes for host in sizes
-              for ev in (evictions if host else ["lru"]) for th in (thresholds if host else [0]) for rate in rates]
-    for pre, dtype, host, ev, th, rate in points:
+    # Admission, eviction and the disk tier vary only where there is a host tier.
+    points = [(pre, dtype, host, ev, th, disk, rate) for pre in presets for dtype in dtypes for host in sizes
+              for ev in (evictions if host else ["lru"]) for th in (thresholds if host else [0])
+              for disk in (disks if host else [0.0]) for rate in rates]
+    for pre, dtype, host, ev, th, disk, rate in points:
         tier = [] if host is None else ["--kv-offloading-size", f"{host:g}"]
         sim_args = build_parser().parse_args([*source, *rest, *tier, "--kv-cache-dtype", dtype, "--host-eviction", ev,
-                                              "--host-store-threshold", str(th), "--preset", pre,
-                                              "--rate-scale", f"{rate:g}"])
+                                              "--host-store-threshold", str(th), "--kv-disk-size", f"{disk:g}",
+                                              "--preset", pre, "--rate-scale", f"{rate:g}"])
         name = name or _workload_name(sim_args)
-        path = report_path(out, name, pre, rate, host, dtype, ev, th)
+        path = report_path(out, name, pre, rate, host, dtype, ev, th, disk)
         if args.update:
             if not path.exists():
                 raise SystemExit(f"--update: no report at {path}; run the sweep without it first")
@@ -226,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[sweep] keeping {path}", file=sys.stderr, flush=True)
             reports.append(json.loads(path.read_text(encoding="utf-8")))
             continue
-        print(f"[sweep] {name} {_short(pre)}{_setting_suffix(dtype, ev, th).replace('_', ' ')}"
+        print(f"[sweep] {name} {_short(pre)}{_setting_suffix(dtype, ev, th, disk).replace('_', ' ')}"
               f"{'' if host is None else f' host {host:g} GiB'} x{rate:g} "
               f"({len(reports) + 1}/{len(points)}, {time.perf_counter() - t0:.0f} s so far)",
               file=sys.stderr, flush=True)
@@ -237,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         reports.append(rep)
     assert name is not None  # presets and rates are not empty
     # The figure and the table cover every report of this workload in OUT (other presets too).
-    done = {path.resolve() for path in (report_path(out, name, p, r, h, d, e, t) for p, d, h, e, t, r in points)}
+    done = {path.resolve() for path in (report_path(out, name, p, r, h, d, e, t, k)
+                                        for p, d, h, e, t, k, r in points)}
     for path in sorted(out.glob(f"{name}_*_x*.json")):
         if path.resolve() not in done:
             reports.append(json.loads(path.read_text(encoding="utf-8")))
