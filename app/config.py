@@ -105,8 +105,32 @@ class EngineConfig(_Strict):
                     "relay keys that block alone and routers miss that chunk's host hit",
     )
 
+    kv_disk_dir: str | None = Field(
+        None, min_length=1,
+        description="a local-disk KV tier behind the host tier: the directory of vLLM's tiering 'fs' tier "
+                    "(TieringOffloadingSpec, secondary tier type 'fs'), on the node's local NVMe. Every block "
+                    "host memory stores is written there too; a block only the disk holds is read back into "
+                    "host memory and loaded from there, and routers count it as a host-tier hit (the relay "
+                    "announces it on the host tier). vLLM never deletes these files: size the disk for what "
+                    "it keeps. Needs kv_offloading_size (native backend) and no kv_offloading_store_threshold "
+                    "(vLLM refuses one with tiers). None: no disk tier",
+    )
+    kv_disk_io_threads: int = Field(
+        16, ge=1, le=256,
+        description="the disk tier's read threads and its write threads, each (vLLM's n_read_threads and "
+                    "n_write_threads, 16 by default)",
+    )
+
     @model_validator(mode="after")
     def _fits(self) -> EngineConfig:
+        if self.kv_disk_dir is not None and (self.kv_offloading_size is None or self.kv_offloading_backend != "native"):
+            raise ValueError("kv_disk_dir puts a disk tier behind vLLM's native host tier: set kv_offloading_size "
+                             "(kv_offloading_backend: native)")
+        if self.kv_disk_dir is not None and self.kv_offloading_store_threshold >= 2:
+            raise ValueError("kv_offloading_store_threshold and kv_disk_dir: vLLM's tiered offloading takes no "
+                             "store_threshold; set it to 0 or remove kv_disk_dir")
+        if self.kv_disk_io_threads != 16 and self.kv_disk_dir is None:
+            raise ValueError("kv_disk_io_threads tunes the disk tier: set kv_disk_dir")
         tuned = [k for k, default in (("kv_offloading_store_threshold", 0), ("kv_offloading_eviction_policy", "lru"))
                  if getattr(self, k) != default]
         if tuned and (self.kv_offloading_size is None or self.kv_offloading_backend != "native"):

@@ -67,10 +67,17 @@ def engine_args(cfg: AppArgs, kv_events_topic: str | None = None, otlp_traces_en
             # offloaded block's tokens and parent, so the relay keys a host block it never saw on GPU.
             from vllm.config import KVTransferConfig
 
-            offload["kv_transfer_config"] = KVTransferConfig(kv_connector_extra_config={
+            extra: dict[str, Any] = {
                 "self_describing_kv_events": True, "blocks_per_chunk": engine.kv_offloading_blocks_per_chunk,
                 "store_threshold": engine.kv_offloading_store_threshold,
-                "eviction_policy": engine.kv_offloading_eviction_policy})
+                "eviction_policy": engine.kv_offloading_eviction_policy}
+            if engine.kv_disk_dir is not None:
+                # vLLM's tiered offloading: the same CPU tier as primary, its 'fs' tier behind it
+                # (vllm/v1/kv_offload/tiering/spec.py), publishing its stores (medium STORAGE).
+                extra.update(spec_name="TieringOffloadingSpec", secondary_tiers=[{
+                    "type": "fs", "root_dir": engine.kv_disk_dir, "n_read_threads": engine.kv_disk_io_threads,
+                    "n_write_threads": engine.kv_disk_io_threads, "enable_kv_events": True}])
+            offload["kv_transfer_config"] = KVTransferConfig(kv_connector_extra_config=extra)
     return AsyncEngineArgs(
         model=cfg.resolved_model(),
         tokenizer=cfg.resolved_tokenizer(),

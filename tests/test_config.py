@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import pytest
@@ -166,6 +167,46 @@ def test_the_cpu_build_refuses_the_host_tier_naming_the_key():
                           "kv_offloading_store_threshold": 3}, "kv_offloading_store_threshold tune"),
                         ({"kv_offloading_backend": "disk"}, "engine.kv_offloading_backend"),
                         ({"kv_offloading_blocks_per_chunk": 0}, "engine.kv_offloading_blocks_per_chunk")):
+        with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+            parse_app_args({"engine": bad})
+
+
+def test_a_disk_tier_reaches_vllms_tiered_offloading_and_is_refused_where_it_cannot_run(tmp_path):
+    """``engine.kv_disk_dir``: vLLM's ``TieringOffloadingSpec`` with its ``fs`` tier behind the CPU tier,
+    publishing its stores (``medium="STORAGE"``, which the relay announces on the host tier)."""
+    from vllm.v1.kv_offload.base import Medium
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    from app.builder import build_app
+    from app.frontend import engine_args
+
+    tiny = _app_entry(REPO / "serve_config.yaml")["args"]
+    disk = str(tmp_path / "kv")
+    args = parse_app_args({**tiny, "engine": {**tiny["engine"], "kv_offloading_size": 8, "kv_disk_dir": disk,
+                                              "kv_disk_io_threads": 4}})
+    ea = engine_args(args, kv_events_topic="kv@r")
+    extra = ea.create_engine_config().kv_transfer_config.kv_connector_extra_config
+    tiers = [{"type": "fs", "root_dir": disk, "n_read_threads": 4, "n_write_threads": 4, "enable_kv_events": True}]
+    assert (extra["spec_name"], extra["secondary_tiers"], extra["cpu_bytes_to_use"]) == (
+        "TieringOffloadingSpec", tiers, 8 * 2**30)
+    assert OffloadingSpecFactory.get_spec_cls(extra).__name__ == "TieringOffloadingSpec"
+    fs = SecondaryTierFactory.get_tier_class(tiers[0])
+    assert fs.__name__ == "FileSystemTierManager" and fs.medium is Medium.STORAGE
+    assert {"root_dir", "n_read_threads", "n_write_threads", "enable_kv_events"} <= set(
+        inspect.signature(fs.__init__).parameters)
+    without = engine_args(parse_app_args({**tiny, "engine": {**tiny["engine"], "kv_offloading_size": 8}}),
+                          kv_events_topic="kv@r")
+    assert "spec_name" not in without.kv_transfer_config.kv_connector_extra_config  # vLLM's CPU spec, as before
+    with pytest.raises(ValueError, match=r"engine\.kv_offloading_size.*\(and engine\.kv_disk_dir"):
+        build_app({**tiny, "engine": {**tiny["engine"], "kv_offloading_size": 8, "kv_disk_dir": disk}})
+    for bad, needle in (({"kv_disk_dir": disk}, "kv_disk_dir puts a disk tier"),
+                        ({"kv_offloading_size": 8, "kv_offloading_backend": "lmcache", "kv_disk_dir": disk},
+                         "kv_disk_dir puts a disk tier"),
+                        ({"kv_offloading_size": 8, "kv_disk_dir": disk, "kv_offloading_store_threshold": 2},
+                         "takes no store_threshold"),
+                        ({"kv_disk_io_threads": 8}, "kv_disk_io_threads tunes the disk tier"),
+                        ({"kv_offloading_size": 8, "kv_disk_dir": ""}, "engine.kv_disk_dir")):
         with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
             parse_app_args({"engine": bad})
 
