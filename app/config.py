@@ -111,9 +111,17 @@ class EngineConfig(_Strict):
                     "(TieringOffloadingSpec, secondary tier type 'fs'), on the node's local NVMe. Every block "
                     "host memory stores is written there too; a block only the disk holds is read back into "
                     "host memory and loaded from there, and routers count it as a host-tier hit (the relay "
-                    "announces it on the host tier). vLLM never deletes these files: size the disk for what "
-                    "it keeps. Needs kv_offloading_size (native backend) and no kv_offloading_store_threshold "
-                    "(vLLM refuses one with tiers). None: no disk tier",
+                    "announces it on the host tier). Each engine replica writes under <kv_disk_dir>/gpu<ids> "
+                    "(its CUDA_VISIBLE_DEVICES). Without kv_disk_size vLLM's own tier never deletes a file: "
+                    "the disk fills and stores nothing new. Needs kv_offloading_size (native backend) and no "
+                    "kv_offloading_store_threshold (vLLM refuses one with tiers). None: no disk tier",
+    )
+    kv_disk_size: float | None = Field(
+        None, gt=0.0,
+        description="the disk tier's size per engine replica in GiB: past it the least recently written or "
+                    "read blocks are deleted and their removal published (app.engine.disk_tier, vLLM's fs tier "
+                    "with eviction), so routers stop counting them. None: vLLM's own fs tier, which never "
+                    "deletes. Needs kv_disk_dir",
     )
     kv_disk_io_threads: int = Field(
         16, ge=1, le=256,
@@ -129,8 +137,8 @@ class EngineConfig(_Strict):
         if self.kv_disk_dir is not None and self.kv_offloading_store_threshold >= 2:
             raise ValueError("kv_offloading_store_threshold and kv_disk_dir: vLLM's tiered offloading takes no "
                              "store_threshold; set it to 0 or remove kv_disk_dir")
-        if self.kv_disk_io_threads != 16 and self.kv_disk_dir is None:
-            raise ValueError("kv_disk_io_threads tunes the disk tier: set kv_disk_dir")
+        if (self.kv_disk_io_threads != 16 or self.kv_disk_size is not None) and self.kv_disk_dir is None:
+            raise ValueError("kv_disk_io_threads and kv_disk_size tune the disk tier: set kv_disk_dir")
         tuned = [k for k, default in (("kv_offloading_store_threshold", 0), ("kv_offloading_eviction_policy", "lru"))
                  if getattr(self, k) != default]
         if tuned and (self.kv_offloading_size is None or self.kv_offloading_backend != "native"):

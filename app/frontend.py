@@ -26,13 +26,30 @@ each named after the vLLM command-line flag it stands for.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, cast
 
-from app.config import AppArgs, resolve_path
+from app.config import AppArgs, EngineConfig, resolve_path
 from app.engine.responses_store import bound_responses_store
 
 if TYPE_CHECKING:
     from vllm.config.model import ModelDType
+
+
+def disk_tier_config(engine: EngineConfig) -> dict[str, Any]:
+    """The secondary-tier entry of vLLM's tiered offloading (``vllm/v1/kv_offload/tiering/spec.py``) for
+    ``engine.kv_disk_dir``: vLLM's ``fs`` tier, or with ``engine.kv_disk_size`` our bounded one
+    (``app.engine.disk_tier``, loaded by vLLM from ``module_path``), publishing its stores (and
+    removals; medium ``STORAGE``), in ``<kv_disk_dir>/gpu<CUDA_VISIBLE_DEVICES>`` so that engine
+    replicas sharing a node and a disk keep apart and a restarted one finds its own files."""
+    assert engine.kv_disk_dir is not None
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "").replace(",", "-") or "all"
+    tier: dict[str, Any] = {"type": "fs", "root_dir": os.path.join(engine.kv_disk_dir, f"gpu{gpus}"),
+                            "n_read_threads": engine.kv_disk_io_threads,
+                            "n_write_threads": engine.kv_disk_io_threads, "enable_kv_events": True}
+    if engine.kv_disk_size is not None:
+        tier.update(type="BoundedFileSystemTier", module_path="app.engine.disk_tier", max_gib=engine.kv_disk_size)
+    return tier
 
 
 def engine_args(cfg: AppArgs, kv_events_topic: str | None = None, otlp_traces_endpoint: str | None = None):
@@ -72,11 +89,7 @@ def engine_args(cfg: AppArgs, kv_events_topic: str | None = None, otlp_traces_en
                 "store_threshold": engine.kv_offloading_store_threshold,
                 "eviction_policy": engine.kv_offloading_eviction_policy}
             if engine.kv_disk_dir is not None:
-                # vLLM's tiered offloading: the same CPU tier as primary, its 'fs' tier behind it
-                # (vllm/v1/kv_offload/tiering/spec.py), publishing its stores (medium STORAGE).
-                extra.update(spec_name="TieringOffloadingSpec", secondary_tiers=[{
-                    "type": "fs", "root_dir": engine.kv_disk_dir, "n_read_threads": engine.kv_disk_io_threads,
-                    "n_write_threads": engine.kv_disk_io_threads, "enable_kv_events": True}])
+                extra.update(spec_name="TieringOffloadingSpec", secondary_tiers=[disk_tier_config(engine)])
             offload["kv_transfer_config"] = KVTransferConfig(kv_connector_extra_config=extra)
     return AsyncEngineArgs(
         model=cfg.resolved_model(),

@@ -111,6 +111,8 @@ def test_4090_configs_turn_the_host_tier_on_and_pass_it_to_vllm():
         # What the simulator found pays on the shared trace (docs/benchmarks.md): fp8 KV, ARC eviction.
         assert (args.engine.kv_cache_dtype, args.engine.kv_offloading_eviction_policy) == ("fp8", "arc")
         assert args.engine.kv_offloading_store_threshold == 0  # admission by count lost 8 to 22 points there
+        # A bounded disk tier behind it (docs/benchmarks.md, "A disk tier"), under the Pod's NVMe volume.
+        assert (args.engine.kv_disk_dir, args.engine.kv_disk_size) == ("/mnt/nvme/prefix-serve-kv", 512)
     # What the engine replica passes to vLLM (the tiny local model: engine args resolve the model).
     tiny = _app_entry(REPO / "serve_config.yaml")["args"]
     tiny = parse_app_args({**tiny, "engine": {**tiny["engine"], "kv_offloading_size": 32,
@@ -144,6 +146,10 @@ def test_4090_configs_turn_the_host_tier_on_and_pass_it_to_vllm():
     # The Pod holds the tier besides the 48 GiB it had without it.
     worker = _kuberay_doc()["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
     assert worker["resources"]["limits"]["memory"] == f"{48 + 32}Gi"
+    pod = _kuberay_doc()["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    mount = next(m for m in worker["volumeMounts"] if m["name"] == "kv-disk")
+    assert kuberay.engine.kv_disk_dir.startswith(mount["mountPath"] + "/")
+    assert {"name": "kv-disk", "hostPath": {"path": "/mnt/nvme", "type": "DirectoryOrCreate"}} in pod["volumes"]
 
 
 def test_the_cpu_build_refuses_the_host_tier_naming_the_key():
@@ -171,7 +177,7 @@ def test_the_cpu_build_refuses_the_host_tier_naming_the_key():
             parse_app_args({"engine": bad})
 
 
-def test_a_disk_tier_reaches_vllms_tiered_offloading_and_is_refused_where_it_cannot_run(tmp_path):
+def test_a_disk_tier_reaches_vllms_tiered_offloading_and_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
     """``engine.kv_disk_dir``: vLLM's ``TieringOffloadingSpec`` with its ``fs`` tier behind the CPU tier,
     publishing its stores (``medium="STORAGE"``, which the relay announces on the host tier)."""
     from vllm.v1.kv_offload.base import Medium
@@ -183,11 +189,13 @@ def test_a_disk_tier_reaches_vllms_tiered_offloading_and_is_refused_where_it_can
 
     tiny = _app_entry(REPO / "serve_config.yaml")["args"]
     disk = str(tmp_path / "kv")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # each engine replica in a folder of its GPUs
     args = parse_app_args({**tiny, "engine": {**tiny["engine"], "kv_offloading_size": 8, "kv_disk_dir": disk,
                                               "kv_disk_io_threads": 4}})
     ea = engine_args(args, kv_events_topic="kv@r")
     extra = ea.create_engine_config().kv_transfer_config.kv_connector_extra_config
-    tiers = [{"type": "fs", "root_dir": disk, "n_read_threads": 4, "n_write_threads": 4, "enable_kv_events": True}]
+    tiers = [{"type": "fs", "root_dir": f"{disk}/gpu2-3", "n_read_threads": 4, "n_write_threads": 4,
+              "enable_kv_events": True}]
     assert (extra["spec_name"], extra["secondary_tiers"], extra["cpu_bytes_to_use"]) == (
         "TieringOffloadingSpec", tiers, 8 * 2**30)
     assert OffloadingSpecFactory.get_spec_cls(extra).__name__ == "TieringOffloadingSpec"
@@ -195,6 +203,15 @@ def test_a_disk_tier_reaches_vllms_tiered_offloading_and_is_refused_where_it_can
     assert fs.__name__ == "FileSystemTierManager" and fs.medium is Medium.STORAGE
     assert {"root_dir", "n_read_threads", "n_write_threads", "enable_kv_events"} <= set(
         inspect.signature(fs.__init__).parameters)
+    # With a size, our bounded fs tier, which vLLM's factory imports from its module_path.
+    bounded = engine_args(parse_app_args({**tiny, "engine": {**tiny["engine"], "kv_offloading_size": 8,
+                                                             "kv_disk_dir": disk, "kv_disk_size": 512}}),
+                          kv_events_topic="kv@r").kv_transfer_config.kv_connector_extra_config["secondary_tiers"]
+    assert bounded == [{**tiers[0], "n_read_threads": 16, "n_write_threads": 16, "type": "BoundedFileSystemTier",
+                        "module_path": "app.engine.disk_tier", "max_gib": 512}]
+    from app.engine.disk_tier import BoundedFileSystemTier
+
+    assert SecondaryTierFactory.get_tier_class(bounded[0]) is BoundedFileSystemTier
     without = engine_args(parse_app_args({**tiny, "engine": {**tiny["engine"], "kv_offloading_size": 8}}),
                           kv_events_topic="kv@r")
     assert "spec_name" not in without.kv_transfer_config.kv_connector_extra_config  # vLLM's CPU spec, as before
@@ -205,7 +222,9 @@ def test_a_disk_tier_reaches_vllms_tiered_offloading_and_is_refused_where_it_can
                          "kv_disk_dir puts a disk tier"),
                         ({"kv_offloading_size": 8, "kv_disk_dir": disk, "kv_offloading_store_threshold": 2},
                          "takes no store_threshold"),
-                        ({"kv_disk_io_threads": 8}, "kv_disk_io_threads tunes the disk tier"),
+                        ({"kv_disk_io_threads": 8}, "kv_disk_io_threads and kv_disk_size tune"),
+                        ({"kv_disk_size": 100}, "kv_disk_io_threads and kv_disk_size tune"),
+                        ({"kv_offloading_size": 8, "kv_disk_dir": disk, "kv_disk_size": 0}, "engine.kv_disk_size"),
                         ({"kv_offloading_size": 8, "kv_disk_dir": ""}, "engine.kv_disk_dir")):
         with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
             parse_app_args({"engine": bad})
