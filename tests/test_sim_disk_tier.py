@@ -18,7 +18,7 @@ from bench.sim.workload import SimRequest
 from routing.block_keys import block_keys
 from routing.events import BlockRemoved, BlockStored
 from routing.index import BlockIndex
-from tests.test_sim_host_tier import BS, LAT, run, state, toks
+from tests.test_sim_host_tier import BS, LAT, delivered, pushed_off_the_gpu, run, state, toks
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # ray.serve import noise
 
@@ -98,22 +98,15 @@ def test_disk_events_reach_our_index_as_host_and_dynamos_third_tree() -> None:
     """Ours (through the relay): a block on disk only is on the host tier. Dynamo: its own disk tree,
     credited at 0.25 beyond the device and host matches."""
     rep = disk_replica(21, 16, 200, events=True)
-    a = toks(7, 8 * BS + 3)
-    run(rep, state(0, a))
-    for i in (1, 2):
-        run(rep, state(i, toks(20 + i, 12 * BS + 1)))
-    events = rep.pool.take_events()
+    events, keys = pushed_off_the_gpu(rep, 7)
     assert any(isinstance(e, BlockRemoved) and e.medium == "CPU" for e in events)
-    keys = list(block_keys(a, BS))[:8]
     ours = BlockIndex()
-    path = EventPath(ours, 0.0)
-    path.deliver(rep.id, path.publish(rep.id, events, 0.0)[1], 0.0)
+    path = delivered(ours, rep, events)
     assert ours.match_tiers(keys, (rep.id,), 0.0) == {rep.id: (0, 8)}
     assert path.relays[rep.id].stats.ignored_media == 0
     dyn = DynamoPolicy()
     dyn.setup(RouterContext(replicas=[rep], block_size=BS, max_ongoing_requests=128, rng=random.Random(0)))
-    path = EventPath(dyn.index, 0.0)
-    path.deliver(rep.id, path.publish(rep.id, events, 0.0)[1], 0.0)
+    delivered(dyn.index, rep, events)
     assert (dyn.index.match(keys, (rep.id,), 0.0), dyn.index.match_host(keys, (rep.id,)),
             dyn.index.match_disk(keys, (rep.id,))) == ({rep.id: 0}, {rep.id: 0}, {rep.id: 8})
 

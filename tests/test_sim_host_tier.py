@@ -59,6 +59,23 @@ def run(rep: Replica, st: ReqState, now: float = 0.0) -> float:
     return now
 
 
+def pushed_off_the_gpu(rep: Replica, seed: int) -> tuple[list, list[int]]:
+    """A prompt of 8 blocks served, then two of 12 that push it off a 20-block GPU: the replica's
+    events since its start, and the prompt's 8 block keys."""
+    a = toks(seed, 8 * BS + 3)
+    run(rep, state(0, a))
+    for i in (1, 2):
+        run(rep, state(i, toks(10 * seed + i, 12 * BS + 1)))
+    return rep.pool.take_events(), list(block_keys(a, BS))[:8]
+
+
+def delivered(index, rep: Replica, events: list) -> EventPath:
+    """``events`` of ``rep`` through the simulator's event path into ``index``, at once; the path."""
+    path = EventPath(index, 0.0)
+    path.deliver(rep.id, path.publish(rep.id, events, 0.0)[1], 0.0)
+    return path
+
+
 def test_host_tier_is_an_lru_of_the_blocks_offered_first_blocks_most_recent() -> None:
     """vLLM's LRU policy, with a request's accesses applied tail first (``on_request_finished``)."""
     host = HostTier(4, BS)
@@ -200,21 +217,14 @@ def test_host_events_reach_our_index_and_dynamos_second_tree() -> None:
     from routing.index import BlockIndex
 
     rep = replica(21, 100, events=True)
-    a = toks(4, 8 * BS + 3)
-    run(rep, state(0, a))
-    for i in (1, 2):
-        run(rep, state(i, toks(10 + i, 12 * BS + 1)))
-    events = rep.pool.take_events()
+    events, keys = pushed_off_the_gpu(rep, 4)
     assert any(isinstance(e, BlockStored) and e.medium == "CPU" for e in events)
-    keys = list(block_keys(a, BS))[:8]
     ours = BlockIndex()
-    path = EventPath(ours, 0.0)
-    path.deliver(rep.id, path.publish(rep.id, events, 0.0)[1], 0.0)
+    delivered(ours, rep, events)
     assert ours.match_tiers(keys, (rep.id,), 0.0) == {rep.id: (0, 8)}
     dyn = DynamoPolicy()
     dyn.setup(RouterContext(replicas=[rep], block_size=BS, max_ongoing_requests=128, rng=random.Random(0)))
-    path = EventPath(dyn.index, 0.0)
-    path.deliver(rep.id, path.publish(rep.id, events, 0.0)[1], 0.0)
+    delivered(dyn.index, rep, events)
     assert dyn.index.match(keys, (rep.id,), 0.0) == {rep.id: 0}
     assert dyn.index.match_host(keys, (rep.id,)) == {rep.id: 8}
 
