@@ -68,8 +68,8 @@ events through :class:`bench.sim.event_path.EventPath` after the event lag.
   a pod's tiers for each consecutive block): GPU blocks, then host blocks.
   llm-d weighs vLLM's disk tier (``medium="STORAGE"``) at 0.3 (the same config's
   ``storage``); the simulator's llm-d index is a ``BlockIndex`` behind our relay,
-  which does not keep that tier yet, so llm-d here is blind to a disk tier, as
-  ours is.
+  which announces a disk-held block on the host tier, so llm-d here weighs it at
+  its cpu weight 0.8 (a model gap, named in docs/simulator.md).
 * ``prefix_affinity``: ours, the live router's decision sequence
   (:class:`routing.router_state.RouterState`, built by
   ``app.config.RouterConfig.router_state`` with the shipped defaults, fed by
