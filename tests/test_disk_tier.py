@@ -98,6 +98,48 @@ def test_the_tier_keeps_its_size_evicting_the_least_recently_used_chunk_and_says
         t.shutdown()
 
 
+def test_a_rewrite_is_one_store_a_lookup_in_flight_is_not_evicted_and_a_cut_job_keeps_its_files(tmp_path) -> None:
+    """Three races a review found: vLLM writes a held chunk again whenever host memory stores it anew
+    (the relay counts copies, so a second store and one removal would leave it announced for good);
+    vLLM's lookup cache asserts that a verdict it waits for is not forced (evicting a chunk whose file
+    check is in flight crashed the scheduler); a failed job stops at its first bad chunk after writing
+    the ones before it (files nobody held or announced)."""
+    host = host_buffer()
+    t = tier(tmp_path, host, 1)
+    try:
+        store(t, 0, 0)
+        store(t, 1, 0)  # written again while held: renewed, not announced again
+        store(t, 2, 1)  # one over: 0 goes
+        assert [(e.removed, e.keys) for e in t.take_events()] == [(False, [key(0)]), (False, [key(1)]),
+                                                                   (True, [key(0)])]
+        ctx = ReqContext("probe")
+        assert t.lookup(key(1), ctx) is LookupResult.RETRY
+        t.on_schedule_end(None)  # the file check is in flight ...
+        store(t, 3, 2)  # ... so 1 stays though it is the least recent: 2, the next least recent, goes
+        assert list(t.held) == [key(1)] and not os.path.exists(t.file_mapper.get_file_name(key(2)))
+        deadline = time.monotonic() + 10
+        while (result := t.lookup(key(1), ctx)) is LookupResult.RETRY:  # no AssertionError in vLLM's cache
+            t.on_schedule_end(None)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert result is LookupResult.HIT
+        t.on_request_finished(ctx)
+        store(t, 4, 3)  # nothing in flight now: 1 goes
+        assert list(t.held) == [key(3)]
+        assert [(e.removed, e.keys) for e in t.take_events()] == [(False, [key(2)]), (True, [key(2)]),
+                                                                   (False, [key(3)]), (True, [key(1)])]
+        other = 5 << 120  # a chunk whose file goes in another folder ...
+        folder = os.path.dirname(os.path.dirname(t.file_mapper.get_file_name(key(other))))
+        open(folder, "w").close()  # ... which a plain file blocks: the job's second chunk fails
+        t.submit_store(TransferJob(5, [key(4), key(other)], np.array([4, 5]), False, ReqContext("r")))
+        t.drain_jobs()
+        assert [r.success for r in t.get_finished_jobs()] == [False]
+        assert list(t.held) == [key(4)] and os.path.exists(t.file_mapper.get_file_name(key(4)))
+        assert [(e.removed, e.keys) for e in t.take_events()] == [(False, [key(4)]), (True, [key(3)])]
+    finally:
+        t.shutdown()
+
+
 def test_files_of_an_earlier_run_are_adopted_oldest_first_and_trimmed_silently(tmp_path) -> None:
     host = host_buffer()
     first = tier(tmp_path, host, 8)

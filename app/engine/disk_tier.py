@@ -5,8 +5,8 @@ file per offloaded chunk behind the host (CPU) tier and never deletes one: the d
 every store fails and the tier keeps what it wrote first. :class:`BoundedFileSystemTier` is that
 tier with a capacity: it keeps its written chunks in least-recently-used order (a write or a
 promotion's lookup makes a chunk the newest) and, past ``max_gib``, deletes the least recently
-used files that no promotion is reading, marks them missing for vLLM's lookup cache and publishes
-their removal (``medium="STORAGE"``), so the relay withdraws them from the routers' host tier
+used files that no write, promotion or unanswered lookup uses, marks them missing for vLLM's
+lookup cache and publishes their removal (``medium="STORAGE"``), so the relay withdraws them from the routers' host tier
 (``routing.relay``). vLLM loads it by name from the tier config (``type`` this class's name,
 ``module_path`` this module): ``app.frontend.engine_args`` does so when ``engine.kv_disk_size``
 is set.
@@ -27,10 +27,10 @@ from __future__ import annotations
 import os
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import Any
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadingEvent, OffloadKey, ReqContext, make_offload_key
+from vllm.v1.kv_offload.tiering.async_lookup import LookupPhase
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
@@ -60,7 +60,7 @@ class BoundedFileSystemTier(FileSystemTierManager):
         self.held: OrderedDict[OffloadKey, None] = OrderedDict()  # least recently used first
         self._writes: dict[JobId, list[OffloadKey]] = {}
         self._reads: dict[JobId, list[OffloadKey]] = {}
-        self._reading: Counter[OffloadKey] = Counter()
+        self._busy: Counter[OffloadKey] = Counter()  # keys an in-flight write or promotion uses
         self.evicted = 0
         self._adopt()
 
@@ -73,50 +73,76 @@ class BoundedFileSystemTier(FileSystemTierManager):
         return result
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        self._writes[job_metadata.job_id] = list(job_metadata.keys)
+        keys = list(job_metadata.keys)
+        self._writes[job_metadata.job_id] = keys
+        self._busy.update(keys)
         super().submit_store(job_metadata)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         self._reads[job_metadata.job_id] = keys
-        self._reading.update(keys)
+        self._busy.update(keys)
         super().submit_load(job_metadata)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        mark = len(self.events) if self.events is not None else 0
         results = list(super().get_finished_jobs())
-        if self.events:
-            # Its stores will be removed: vLLM's event tracker then keeps each chunk's payload until
-            # this tier's removal too, so the removal names every block of the chunk, not a placeholder.
-            self.events[:] = [replace(ev, removal_expected=True) if not ev.removed else ev for ev in self.events]
+        if self.events is not None:
+            del self.events[mark:]  # the base tier's store events of these jobs: published below instead
         for res in results:
             written = self._writes.pop(res.job_id, None)
             if written is not None:
-                if res.success:
-                    for key in written:
-                        self.held[key] = None
-                        self.held.move_to_end(key)
+                self._release(written)
+                self._written(written, res.success)
                 continue
             read = self._reads.pop(res.job_id, None)
             if read is not None:
-                self._reading.subtract(read)
-                for key in read:
-                    if self._reading[key] <= 0:
-                        del self._reading[key]
+                self._release(read)
         self._evict()
         return results
 
     # ------------------------------------------------------------------ internals
 
+    def _release(self, keys: list[OffloadKey]) -> None:
+        busy = self._busy
+        busy.subtract(keys)
+        for key in keys:
+            if busy[key] <= 0:
+                del busy[key]
+
+    def _written(self, keys: list[OffloadKey], success: bool) -> None:
+        """A write job ended: its chunks become the newest, and those newly held are published.
+
+        A chunk written again while held (vLLM writes through every chunk host memory stores anew)
+        is only renewed: one store, one removal, as the relay counts copies. A failed job stops at
+        its first bad chunk; the files it wrote before are held (and published) like any other.
+        The store events carry ``removal_expected``: vLLM's event tracker then keeps each chunk's
+        payload until this tier's removal, which so names every block of the chunk."""
+        fresh = [k for k in keys if k not in self.held
+                 and (success or os.path.exists(self.file_mapper.get_file_name(k)))]
+        for key in keys:
+            if key in self.held:
+                self.held.move_to_end(key)
+        for key in fresh:
+            self.held[key] = None
+        if fresh and self.events is not None:
+            self.events.append(OffloadingEvent(keys=fresh, medium=self.medium, removed=False, locality=self.locality,
+                                               removal_expected=True))
+
     def _evict(self) -> None:
-        """Delete the least recently used chunks past the capacity that no promotion reads."""
+        """Delete the least recently used chunks past the capacity that no write, promotion or
+        unanswered lookup uses (vLLM's lookup cache asserts that a verdict it is waiting for is not
+        forced: ``AsyncLookupManager.drain_results``)."""
         excess = len(self.held) - self.capacity
         if excess <= 0:
             return
+        lookups = self._lookup_manager._lookup_state  # vLLM 0.32's; tests/test_disk_tier.py fails if it goes
         victims: list[OffloadKey] = []
         for key in self.held:
             if len(victims) == excess:
                 break
-            if key not in self._reading:
+            state = lookups.get(key)
+            if key not in self._busy and (state is None or state.phase is LookupPhase.RESOLVED):
                 victims.append(key)
         for key in victims:
             del self.held[key]
@@ -148,6 +174,7 @@ class BoundedFileSystemTier(FileSystemTierManager):
                     found.append((os.stat(os.path.join(dirpath, name)).st_mtime, key))
                 except (ValueError, OSError):
                     continue
+        # One walk at start, on the scheduler thread: seconds for a million files.
         for _mtime, key in sorted(found, key=lambda item: item[0]):
             self.held[key] = None
         events, self.events = self.events, None  # adopted files were never announced: none removed either
