@@ -131,6 +131,22 @@ def follow(index: BlockIndex, relay: KeyRelay, events, rid: str = "r0") -> None:
     index.apply_keys(rid, relay.apply(events))
 
 
+def offloaded(self_describing: bool, seed: int, *media: str):
+    """An engine that computed a prompt of 4 full blocks (and 1 token) and stored its 4 chunks on each of
+    ``media`` (the host tier by default), followed by a relay into an index: ``(engine, relay, index,
+    request, keys)``."""
+    eng = Engine(self_describing)
+    relay, index = KeyRelay(BS), BlockIndex()
+    index.add_replica("r0")
+    tokens = tokens_of(seed, 4)
+    req = eng.request(tokens + [5])
+    eng.compute(req)
+    for medium in media or ("CPU",):
+        eng.offload(req, range(4), medium)
+    follow(index, relay, eng.take())
+    return eng, relay, index, req, block_keys(tokens + [5], BS)
+
+
 # ------------------------------------------------------------------ tiers
 
 
@@ -164,15 +180,7 @@ def test_hit_group_is_the_first_full_attention_group() -> None:
 def test_block_evicted_from_gpu_but_kept_on_host_routes_as_a_host_hit(self_describing) -> None:
     """The defect this tier fixes: the relay ignored ``medium``, so a host copy of a GPU block
     was one more physical copy. After the GPU evicted the block, routers still saw it on GPU."""
-    eng = Engine(self_describing)
-    relay, index = KeyRelay(BS), BlockIndex()
-    index.add_replica("r0")
-    tokens = tokens_of(1, 4)
-    keys = block_keys(tokens + [5], BS)
-    req = eng.request(tokens + [5])
-    eng.compute(req)
-    eng.offload(req, range(4))
-    follow(index, relay, eng.take())
+    eng, relay, index, req, keys = offloaded(self_describing, 1)
     assert index.match_tiers(keys, ("r0",), 0.0) == {"r0": (4, 4)}  # on GPU (and on host)
     eng.evict_gpu(req)
     follow(index, relay, eng.take())
@@ -228,16 +236,7 @@ def test_a_disk_tier_holds_a_key_on_the_host_tier_until_both_drop_it(self_descri
     """vLLM's tiering writes every host chunk through to its disk tier (``medium="STORAGE"``) and
     reads a disk-only chunk back through host memory: for routers a key is on the host tier while
     either holds it. Announced once, withdrawn once, whichever order the two drop it in."""
-    eng = Engine(self_describing)
-    relay, index = KeyRelay(BS), BlockIndex()
-    index.add_replica("r0")
-    tokens = tokens_of(4, 4)
-    keys = block_keys(tokens + [5], BS)
-    req = eng.request(tokens + [5])
-    eng.compute(req)
-    eng.offload(req, range(4))
-    eng.offload(req, range(4), "STORAGE")  # the write-through
-    follow(index, relay, eng.take())
+    eng, relay, index, req, keys = offloaded(self_describing, 4, "CPU", "STORAGE")  # with the write-through
     assert index.match_tiers(keys, ("r0",), 0.0) == {"r0": (4, 4)}
     eng.evict_gpu(req)
     eng.drop_host(req, range(4))  # host memory evicts all four: the disk still holds them

@@ -11,14 +11,12 @@ import pytest
 
 from bench.sim.cli import main
 from bench.sim.disk_tier import DiskTier
-from bench.sim.event_path import EventPath
 from bench.sim.policies import DynamoPolicy, RouterContext
 from bench.sim.replica import EngineConfig, Replica
-from bench.sim.workload import SimRequest
 from routing.block_keys import block_keys
 from routing.events import BlockRemoved, BlockStored
 from routing.index import BlockIndex
-from tests.test_sim_host_tier import BS, LAT, delivered, pushed_off_the_gpu, run, state, toks
+from tests.test_sim_host_tier import BS, LAT, delivered, pushed_off_the_gpu, routed_prompt, run, state, toks
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # ray.serve import noise
 
@@ -114,22 +112,13 @@ def test_disk_events_reach_our_index_as_host_and_dynamos_third_tree() -> None:
 def test_dynamo_credits_disk_blocks_beyond_host_at_a_quarter() -> None:
     reps = [Replica(i, EngineConfig(num_blocks=1000, block_size=BS, host_blocks=1000, disk_blocks=1000), LAT)
             for i in range(2)]
-    prompt = toks(8, 40 * BS)
-    keys = block_keys(prompt, BS)
-    req = SimRequest(0, 0.0, ((0, len(prompt)),), 0, len(prompt), 4)
-    req.keys = block_keys(prompt + [0] * 4, BS)
-
-    def stored(n: int, medium: str) -> BlockStored:
-        return BlockStored(block_hashes=keys[:n].tolist(), parent_block_hash=None, token_ids=prompt[: n * BS],
-                           block_size=BS, lora_id=None, medium=medium, lora_name=None, group_idx=0)
-
+    req, stored = routed_prompt(8)
     dyn = DynamoPolicy()
     dyn.setup(RouterContext(replicas=reps, block_size=BS, max_ongoing_requests=128, rng=random.Random(0)))
     # replica-0: 10 blocks in host memory (credit 7.5); replica-1: 4 in host memory and 32 on disk
     # (3 + 0.25 * 28 = 10).
     for rid, evs in (("replica-0", [stored(10, "CPU")]), ("replica-1", [stored(4, "CPU"), stored(32, "STORAGE")])):
-        path = EventPath(dyn.index, 0.0)
-        path.deliver(rid, path.publish(rid, evs, 0.0)[1], 0.0)
+        delivered(dyn.index, rid, evs)
     assert dyn.choose(req, [0, 1], 1.0) == 1
     dyn.prefill_tokens[1] += 3 * BS  # 3 blocks of queued prefill outweigh its 2.5 blocks more credit
     assert dyn.choose(req, [0, 1], 1.0) == 0

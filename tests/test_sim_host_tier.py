@@ -69,11 +69,28 @@ def pushed_off_the_gpu(rep: Replica, seed: int) -> tuple[list, list[int]]:
     return rep.pool.take_events(), list(block_keys(a, BS))[:8]
 
 
-def delivered(index, rep: Replica, events: list) -> EventPath:
-    """``events`` of ``rep`` through the simulator's event path into ``index``, at once; the path."""
+def delivered(index, rep: Replica | str, events: list) -> EventPath:
+    """``events`` of ``rep`` (a replica or its id) through the simulator's event path into ``index``,
+    at once; the path."""
+    rid = rep if isinstance(rep, str) else rep.id
     path = EventPath(index, 0.0)
-    path.deliver(rep.id, path.publish(rep.id, events, 0.0)[1], 0.0)
+    path.deliver(rid, path.publish(rid, events, 0.0)[1], 0.0)
     return path
+
+
+def routed_prompt(seed: int, blocks: int = 40):
+    """A request for a prompt of ``blocks`` full blocks, and ``stored(n, medium)``: the ``BlockStored``
+    of its first ``n`` blocks on ``medium`` (a tier's event for a replica that holds them)."""
+    prompt = toks(seed, blocks * BS)
+    keys = block_keys(prompt, BS)
+    req = SimRequest(0, 0.0, ((0, len(prompt)),), 0, len(prompt), 4)
+    req.keys = block_keys(prompt + [0] * 4, BS)
+
+    def stored(n: int, medium: str) -> BlockStored:
+        return BlockStored(block_hashes=keys[:n].tolist(), parent_block_hash=None, token_ids=prompt[: n * BS],
+                           block_size=BS, lora_id=None, medium=medium, lora_name=None, group_idx=0)
+
+    return req, stored
 
 
 def test_host_tier_is_an_lru_of_the_blocks_offered_first_blocks_most_recent() -> None:
@@ -232,15 +249,7 @@ def test_host_events_reach_our_index_and_dynamos_second_tree() -> None:
 def test_peers_weigh_host_blocks_as_published() -> None:
     """llm-d: gpu 1.0, cpu 0.8 a block; Dynamo: host blocks beyond the device match at 0.75."""
     reps = [Replica(i, EngineConfig(num_blocks=1000, block_size=BS, host_blocks=1000), LAT) for i in range(3)]
-    prompt = toks(5, 40 * BS)
-    keys = block_keys(prompt, BS)
-    req = SimRequest(0, 0.0, ((0, len(prompt)),), 0, len(prompt), 4)
-    req.keys = block_keys(prompt + [0] * 4, BS)
-
-    def stored(n: int, medium: str) -> BlockStored:
-        return BlockStored(block_hashes=keys[:n].tolist(), parent_block_hash=None, token_ids=prompt[: n * BS],
-                           block_size=BS, lora_id=None, medium=medium, lora_name=None, group_idx=0)
-
+    req, stored = routed_prompt(5)
     # replica-0: 10 blocks on GPU; replica-1: 12 in host memory only; replica-2: nothing.
     llm = LlmDPolicy()
     llm.setup(RouterContext(replicas=reps, block_size=BS, max_ongoing_requests=128, rng=random.Random(0)))
@@ -248,8 +257,7 @@ def test_peers_weigh_host_blocks_as_published() -> None:
     dyn.setup(RouterContext(replicas=reps, block_size=BS, max_ongoing_requests=128, rng=random.Random(0)))
     for policy in (llm, dyn):
         for rid, ev in (("replica-0", stored(10, "GPU")), ("replica-1", stored(12, "CPU"))):
-            path = EventPath(policy.index, 0.0)
-            path.deliver(rid, path.publish(rid, [ev], 0.0)[1], 0.0)
+            delivered(policy.index, rid, [ev])
     # llm-d: 12 * 0.8 = 9.6 < 10: the GPU holder wins on prefix score (all else equal).
     assert llm.choose(req, [0, 1, 2], 1.0) == 0
     # Dynamo: credits 10 against 0.75 * 12 = 9: the GPU holder has the lower cost.
