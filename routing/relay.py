@@ -198,6 +198,7 @@ class KeyRelay:
         self.key_of: tuple[dict[EngineBlockHash, int], ...] = tuple({} for _ in _SLOTS)
         self.copies: tuple[dict[EngineBlockHash, int], ...] = tuple({} for _ in _SLOTS)
         self.refs: tuple[dict[int, int], ...] = tuple({} for _ in _SLOTS)
+        self._host_keys = 0  # keys in host memory or on disk: what num_keys(HOST) reads, from any thread
         self.lora_paths: dict[int, str] = {}  # the engine's adapter id -> the path it loaded
         self.ambiguous_ids: set[int] = set()  # ids loaded again in place from another path
 
@@ -208,8 +209,7 @@ class KeyRelay:
     def num_keys(self, tier: Tier) -> int:
         """Distinct keys held on ``tier`` (host: in host memory or on disk)."""
         if tier == Tier.HOST:
-            host, disk = self.refs[_HOST], self.refs[_DISK]
-            return len(host) + sum(1 for k in disk if k not in host)
+            return self._host_keys
         return len(self.refs[tier])
 
     def follow_group(self, group_idx: int | None, block_size: int | None = None) -> bool:
@@ -285,6 +285,8 @@ class KeyRelay:
             self.key_of[t].clear()
             self.copies[t].clear()
             self.refs[t].clear()
+        if tier is None or tier == Tier.HOST:
+            self._host_keys = 0
 
     def snapshot_keys(self, tier: Tier = Tier.GPU) -> bytes:
         """Every key held on ``tier`` (host: in host memory or on disk), once each, in store order,
@@ -403,6 +405,7 @@ class KeyRelay:
             else:
                 stats.disk_blocks_stored += stored
             stats.host_keys_stored += len(new)
+            self._host_keys += len(new)
         if not new:
             return None
         return KeysStored(new_parent, keys_to_bytes(new), Tier.GPU if slot == _GPU else Tier.HOST)
@@ -438,4 +441,5 @@ class KeyRelay:
             self.stats.keys_removed += len(gone)
         else:
             self.stats.host_keys_removed += len(gone)
+            self._host_keys -= len(gone)
         return KeysRemoved(keys_to_bytes(gone), Tier.GPU if slot == _GPU else Tier.HOST)

@@ -249,7 +249,7 @@ def test_a_disk_tier_holds_a_key_on_the_host_tier_until_both_drop_it(self_descri
     assert relay.stats.host_keys_stored == 4
     eng.drop_host(req, range(2, 4), "STORAGE")  # blocks 2-3 are in neither now; 0-1 still in host memory
     follow(index, relay, eng.take())
-    assert index.match_tiers(keys, ("r0",), 0.0) == {"r0": (0, 2)}
+    assert index.match_tiers(keys, ("r0",), 0.0) == {"r0": (0, 2)} and relay.num_keys(Tier.HOST) == 2
     eng.drop_host(req, range(2))
     eng.drop_host(req, range(2), "STORAGE")
     follow(index, relay, eng.take())
