@@ -125,6 +125,10 @@ class Mailbox:
         """The next item, waiting for it."""
         return await self._queue.get()
 
+    def get_nowait(self) -> Any:
+        """The next item if one is here, else None."""
+        return None if self._queue.empty() else self._queue.get_nowait()
+
 
 class StreamInbox:
     """The ingress's end: one PULL socket, one mailbox per open call (see module doc).
@@ -157,6 +161,11 @@ class StreamInbox:
         """Forget a call's mailbox: its items still in flight are dropped."""
         if self._boxes.get(box.key) is box:
             del self._boxes[box.key]
+
+    def poll(self) -> None:
+        """Read what the socket holds now into the mailboxes (as its reader does when woken); call on
+        the serving loop."""
+        self._drain()
 
     def _drain(self) -> None:
         """Every item waiting on the socket into its mailbox (ZMQ's FD signals edges: read until empty),

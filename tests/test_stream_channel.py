@@ -226,3 +226,32 @@ def test_a_call_that_returned_without_its_streams_end_fails_after_the_wait(monke
             inbox.close()
 
     asyncio.run(run())
+
+
+def test_items_whose_wake_up_the_reader_missed_are_read_when_the_wait_ends(monkeypatch):
+    """The call returned and its last items sit in the socket, but the reader was never woken for
+    them (here: it is taken off the loop). When the wait for the stream's end runs out, the socket is
+    read once more and the stream ends with every item instead of failing."""
+    import app.ingress.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "LATE_ITEMS_S", 0.3)
+
+    async def run():
+        inbox, outbox = StreamInbox("127.0.0.1"), StreamOutbox()
+        try:
+            box = inbox.open("k")
+            asyncio.get_running_loop().remove_reader(inbox._sock.fileno())  # no wake-up from now on
+            call_gen = CallStandIn()
+            call_gen.release.set()  # the call has returned
+            call = _Call(call_gen, asyncio.get_running_loop().time() + 60)
+            send = outbox.sender(inbox.address, "k")
+            for item in ITEMS:
+                send(item)
+            got = [item async for item in _dispatcher(inbox)._channel_items(call, box)]
+            assert got == ITEMS
+            call.close()
+        finally:
+            inbox.close()
+            outbox.close()
+
+    asyncio.run(run())

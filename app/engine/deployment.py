@@ -35,7 +35,7 @@ from typing import Any
 
 from ray import serve
 
-from app import adapters, metrics_server, node_address, tracing
+from app import adapters, metrics_server, node_address, replica_logs, tracing
 from app.config import AppArgs
 from app.engine import probe as request_probe
 from app.home import home_id
@@ -138,6 +138,7 @@ class VLLMEngine:
         from app.frontend import EngineFrontend, engine_args
 
         cfg = AppArgs.model_validate(args)
+        replica_logs.to_serve_log()  # the app's warnings and errors in this replica's Serve log
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         tracing.setup_tracing(cfg.tracing, "engine")

@@ -49,7 +49,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import Response
 
-from app import metrics, metrics_server, node_address, tracing
+from app import metrics, metrics_server, node_address, replica_logs, tracing
 from app.config import AppArgs
 from app.errors import quiet_client_errors
 from app.ingress import auth, results
@@ -79,6 +79,7 @@ class OpenAIIngress(AdminRoutes):
         from app.frontend import Renderer
 
         self.args = AppArgs.model_validate(args)
+        replica_logs.to_serve_log()  # the app's warnings and errors in this replica's Serve log
         self.engine = engine
         ctx = serve.get_replica_context()
         host = node_address.resolve()

@@ -177,7 +177,18 @@ class Dispatcher:
                 try:
                     item = await (box.get() if not ended else asyncio.wait_for(box.get(), LATE_ITEMS_S))
                 except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
-                    raise RuntimeError("the engine call returned without the end of its stream") from None
+                    # Read the socket once more before failing: an item that came as the wait ended (the
+                    # timeout ran first in that turn of the loop) or whose wake-up the reader missed.
+                    self.inbox.poll()  # type: ignore[union-attr]
+                    late = box.get_nowait()
+                    if late is None:
+                        logger.error("stream %s: the engine call returned %.0f s ago and the end of its "
+                                     "stream never came (%d items of closed or unknown calls dropped so far)",
+                                     box.key.decode(), LATE_ITEMS_S, self.inbox.dropped)  # type: ignore[union-attr]
+                        raise RuntimeError("the engine call returned without the end of its stream") from None
+                    logger.warning("stream %s: an item came only when the socket was read again after %.0f s",
+                                   box.key.decode(), LATE_ITEMS_S)
+                    item = late
                 if isinstance(item, _CallFailed):
                     raise item.error
                 if item is _CALL_RETURNED:
