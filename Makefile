@@ -123,13 +123,18 @@ SERVING_OVERHEAD_ARGS ?=
 serving-overhead: install model
 	$(PY) -m bench.serving_overhead --out reports/serving_overhead $(SERVING_OVERHEAD_ARGS)
 
-# A/B load experiment of the request routers (ours, Serve's power-of-two-choices, round-robin,
-# Ray's PrefixCacheAffinityRouter) on the engines of serve_config.yaml, the same Locust load each.
-# Loopback only, bounded (about 13 min, at most 15). Report: reports/ab/ (summary.json, Locust
-# CSV/HTML, ttft_cdf.png, hit_rate.png). Options: make ab AB_ARGS="--routers ours,round_robin --run-time 120"
+# A/B load experiment of the request routers on the engines of serve_config.yaml, the same Locust load
+# each: ours, Serve's power-of-two-choices, round-robin, Ray's PrefixCacheAffinityRouter in our app, and
+# Ray Serve LLM's own apps with its two routers (rsl_prefix, rsl_kv; bench/serve_rsl.py). Two loads: the
+# shared-system-prompt load (reports/ab/) and the cache-pressure load (reports/ab-pressure/: each engine's
+# KV cache pinned to AB_PRESSURE_KV_BLOCKS blocks, a working set that fits the two engines only when each
+# keeps to its share). Loopback only, bounded (about 20 min a load, at most 31). Each report: summary.json,
+# Locust CSV/HTML, ttft_cdf.png, hit_rate.png. Options: make ab AB_ARGS="--routers ours,rsl_kv --run-time 120"
 AB_ARGS ?=
+AB_PRESSURE_KV_BLOCKS ?= 256
 ab: install model
 	$(PY) -m bench.ab --out reports/ab $(AB_ARGS)
+	$(PY) -m bench.ab --out reports/ab-pressure --kv-blocks $(AB_PRESSURE_KV_BLOCKS) $(AB_ARGS)
 
 # The short A/B: ours against round robin, 20 s of load each, with its plots (ttft_cdf.png,
 # hit_rate.png), in about 4 minutes on 2 cores (257 s measured: most of it each router's deploy, ~50 s,

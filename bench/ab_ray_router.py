@@ -1,9 +1,10 @@
 """Ray's ``PrefixCacheAffinityRouter``, able to read prefix-serve's requests (A/B baseline).
 
-Ray ships ``ray.serve.llm.request_router:PrefixCacheAffinityRouter``; in this
-environment that public path does not import (``ray.serve.llm`` needs
-``pyarrow``), so this module subclasses the identical class it re-exports,
-``ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter``.
+Ray ships ``ray.serve.llm.request_router:PrefixCacheAffinityRouter`` (``rsl_prefix`` runs
+it as is, in Ray Serve LLM's own app); this module subclasses the class that path
+re-exports,
+``ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter``,
+to run it in our app.
 
 Ray's router looks for a ``prompt`` or ``messages`` attribute on the request's
 arguments and matches the *text* in a character prefix tree (an actor). Our

@@ -20,17 +20,28 @@ replica is up, so ``bench.serving_overhead`` waits for a first completion (``vll
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from ray.serve import Application
 
 REPO = Path(__file__).resolve().parents[1]
+COMPAT = REPO / "bench" / "rsl_compat"
+"""On the ``PYTHONPATH`` of the app's processes: its ``sitecustomize`` maps the one vLLM module Ray
+2.60's KV-aware tokenizer looks for at its old path (see that file)."""
 
 
 def llm_config(args: dict[str, Any]) -> dict[str, Any]:
     """The ``LLMConfig`` (as a dict) of the app args ``args`` (``serve_config.yaml``'s: ``model``,
-    ``served_model_name``, ``engine``), one replica.
+    ``served_model_name``, ``engine``; ``engine_replicas``' ``num_replicas`` (default 1) and
+    ``num_cpus`` (default 1), each replica's placement bundle; ``max_ongoing_requests``), plus the
+    bench-only key ``rsl``: ``{"request_router_class": import path, "request_router_kwargs": {...}}``,
+    the request router of the engine deployment (default: Ray Serve LLM's own, power of two choices).
+
+    The engine flags are ``bench.vllm_server.command``'s (``enable_prompt_tokens_details``, a flag
+    of vLLM's OpenAI server, goes to Ray Serve LLM's frontend arguments), so each answer's
+    ``usage.prompt_tokens_details.cached_tokens`` reports the prefix-cache hit as ours does.
 
     Raises:
         KeyError: ``args`` lacks ``model``, ``served_model_name`` or ``engine``.
@@ -40,24 +51,41 @@ def llm_config(args: dict[str, Any]) -> dict[str, Any]:
         "block_size": engine["block_size"], "max_model_len": engine["max_model_len"],
         "gpu_memory_utilization": engine["gpu_memory_utilization"], "max_num_seqs": engine["max_num_seqs"],
         "enable_prefix_caching": True, "enforce_eager": True, "seed": 0,
-        "kv_cache_dtype": engine.get("kv_cache_dtype", "auto"),
+        "kv_cache_dtype": engine.get("kv_cache_dtype", "auto"), "enable_prompt_tokens_details": True,
     }
     for key in ("num_gpu_blocks_override", "kv_cache_memory_bytes"):
         if engine.get(key) is not None:
             kwargs[key] = engine[key]
+    replicas = args.get("engine_replicas") or {}
+    deployment: dict[str, Any] = {"num_replicas": int(replicas.get("num_replicas") or 1),
+                                  "max_ongoing_requests": int(replicas.get("max_ongoing_requests") or 256),
+                                  "ray_actor_options": {"num_cpus": 0.25}}
+    router = args.get("rsl") or {}
+    if router.get("request_router_class"):
+        deployment["request_router_config"] = {
+            "request_router_class": router["request_router_class"],
+            "request_router_kwargs": dict(router.get("request_router_kwargs") or {})}
     return {
         "model_loading_config": {"model_id": args["served_model_name"], "model_source": str(REPO / args["model"])},
+        # Ray 2.60's KV-aware tokenizer on vLLM 0.32: one module path that moved (bench/rsl_compat).
+        "runtime_env": {"env_vars": {"PYTHONPATH": str(COMPAT)}},
         "engine_kwargs": kwargs,
-        "placement_group_config": {"bundles": [{"CPU": 1}]},
-        "deployment_config": {"num_replicas": 1, "max_ongoing_requests": 256,
-                              "ray_actor_options": {"num_cpus": 0.25}},
+        "placement_group_config": {"bundles": [{"CPU": float(replicas.get("num_cpus") or 1)}]},
+        "deployment_config": deployment,
     }
 
 
 def build(args: dict[str, Any]) -> Application:
-    """Ray Serve LLM's OpenAI app over ``llm_config(args)`` (``serve run`` import path ``bench.serve_rsl:build``)."""
+    """Ray Serve LLM's OpenAI app over ``llm_config(args)`` (``serve run`` import path ``bench.serve_rsl:build``).
+
+    With ``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1`` in the app's environment (read as Ray Serve LLM
+    reads it), Ray Serve LLM's direct streaming: the engine replicas are the ingress, behind HAProxy
+    and its ingress request router (``LLMRouter``), and there is no ingress deployment to configure.
+    """
     from ray.serve.llm import build_openai_app
 
+    if os.environ.get("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", "0") == "1":
+        return build_openai_app({"llm_configs": [llm_config(args)]})
     return build_openai_app({"llm_configs": [llm_config(args)],
                              "ingress_deployment_config": {"max_ongoing_requests": 1024,
                                                            "ray_actor_options": {"num_cpus": 0.25}}})

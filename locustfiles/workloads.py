@@ -306,6 +306,28 @@ class SharedPrefix:
                           tag=f"group-{g}", meta={"group": g})
 
 
+class SharedPrefixText(SharedPrefix):
+    """:class:`SharedPrefix` with text prompts: each token id ``t`` of a prompt becomes the word
+    ``WORDS[t % len(WORDS)]``, words joined by spaces, so two prompts that share a token-id prefix
+    share a text prefix, and after tokenization a token prefix (a word never spans two). For
+    routers that match text (Ray's ``PrefixCacheAffinityRouter`` reads a prompt's text and sees
+    nothing in token ids). A word is about 1.4 tokens on the tiny default model (one on a large
+    vocabulary), so a system prompt of ``system_tokens`` words is longer in tokens than its
+    token-id form; usage reports the tokens."""
+
+    name = "shared_prefix_text"
+
+    def sample(self, rng: random.Random) -> LLMRequest:
+        req = super().sample(rng)
+        req.body["prompt"] = " ".join(WORDS[t % len(WORDS)] for t in req.body["prompt"])
+        return req
+
+
+SHARED_PREFIX_TEXT = Option("--sp-text", "SP_TEXT", False,
+                            "send each prompt as text, a word per token id (SharedPrefixText), not token ids")
+"""The option of ``locustfiles/shared_prefix.py`` that picks :class:`SharedPrefixText`."""
+
+
 # --------------------------------------------------------------------------- multi-turn chat
 
 

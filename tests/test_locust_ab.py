@@ -32,8 +32,29 @@ def test_each_router_is_deployed_with_its_class_and_the_same_engines():
     entries = {r: ab.app_entry_for(base, f"ab-{r}", r) for r in ab.ROUTERS}
     for router, entry in entries.items():
         assert entry["name"] == f"ab-{router}"
+        if router in ab.RSL_ROUTERS:  # Ray Serve LLM's own app on the same args, its router named in them
+            from ray.serve.llm import LLMConfig
+
+            from bench import serve_rsl
+
+            assert entry["import_path"] == "bench.serve_rsl:build" and "deployments" not in entry
+            assert {k: v for k, v in entry["args"].items() if k != "rsl"} == base["args"]
+            llm = LLMConfig(**serve_rsl.llm_config(entry["args"]))
+            rc = llm.deployment_config["request_router_config"]
+            assert rc["request_router_class"] == ab.ROUTERS[router]
+            assert llm.deployment_config["num_replicas"] == base["args"]["engine_replicas"]["num_replicas"]
+            assert llm.engine_kwargs["num_gpu_blocks_override"] == base["args"]["engine"]["num_gpu_blocks_override"]
+            assert llm.placement_group_config["bundles"] == [{"CPU": base["args"]["engine_replicas"]["num_cpus"]}]
+            assert ab.ready_paths(router) == ("/v1/models",)
+            assert llm.runtime_env["env_vars"]["PYTHONPATH"] == str(REPO / "bench" / "rsl_compat")
+            if router == "rsl_kv":  # direct streaming
+                assert entry["runtime_env"] == {"env_vars": {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1"}}
+            else:
+                assert "runtime_env" not in entry
+            continue
         assert entry["args"] == base["args"]  # the same engines for every router
         assert entry["import_path"] == base["import_path"]
+        assert ab.ready_paths(router) == ("/health", "/v1/models")
         if router == "ours":
             assert "deployments" not in entry  # no override: the builder's router config stands
             assert ours_rc.request_router_class == ab.OURS_CLASS
@@ -142,11 +163,40 @@ def test_working_set_is_sized_from_the_pinned_kv_cache():
     from locustfiles.workloads import SharedPrefixConfig
 
     tokens = SharedPrefixConfig().system_tokens
-    assert (groups - 1) * tokens < 1.5 * capacity <= groups * tokens
+    assert abs(groups * tokens - 1.5 * capacity) <= tokens / 2
     assert ab.size_workload(base, sp, ["--sp-groups=5"], 1.5) == []
     assert ab.size_workload(base, sp, [], 0) == []
     assert ab.size_workload(base, Path("locustfiles/rag.py"), [], 1.5) == []
-    assert ab.size_workload(base, sp, ["--sp-system-tokens", "1024"], 1.0) == [f"--sp-groups={-(-capacity // 1024)}"]
+    assert ab.size_workload(base, sp, ["--sp-system-tokens", "1000"], 1.0) == [f"--sp-groups={round(capacity / 1000)}"]
+    # Text prompts: a system prompt of 1,000 words at 1.5 tokens a word is 1,500 tokens.
+    assert ab.size_workload(base, sp, ["--sp-system-tokens", "1000"], 1.0, tokens_per_word=1.5) == [
+        f"--sp-groups={round(capacity / 1500)}"]
+
+
+def test_tokens_per_word_of_text_prompts_under_the_models_tokenizer(tmp_path):
+    """A tokenizer with every word of the text prompts in its vocabulary: one token a word; one that
+    spells each word out letter by letter: the mean length of the words drawn."""
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from bench.ab.load import text_tokens_per_word
+    from locustfiles import workloads as W
+
+    words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(("[UNK]", *W.WORDS))}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "words").mkdir()
+    words.save(str(tmp_path / "words" / "tokenizer.json"))
+    assert text_tokens_per_word(tmp_path / "words", n=500) == 1.0
+
+    letters = Tokenizer(models.WordLevel({c: i for i, c in enumerate("?abcdefghijklmnopqrstuvwxyz")}, unk_token="?"))
+    letters.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                     pre_tokenizers.Split("", behavior="isolated")])
+    (tmp_path / "letters").mkdir()
+    letters.save(str(tmp_path / "letters" / "tokenizer.json"))
+    drawn = W.token_ids(random.Random("words:3"), 500)
+    expected = sum(len(W.WORDS[t % len(W.WORDS)]) for t in drawn) / 500
+    assert text_tokens_per_word(tmp_path / "letters", seed=3, n=500) == pytest.approx(expected)
 
 
 def test_checks_compare_ours_with_the_baselines():
@@ -157,7 +207,14 @@ def test_checks_compare_ours_with_the_baselines():
     }
     c = ab.checks(pols)
     assert c == {"zero_failures": True, "ours_hit_rate_above_round_robin": True,
-                 "ours_hit_rate_above_pow2": True, "ours_ttft_p90_below_round_robin": True}
+                 "ours_hit_rate_above_pow2": True, "ours_ttft_p90_below_round_robin": True,
+                 "ours_ttft_p90_lowest": True}
+    # The prefix-aware peers: a tie in hit rate passes, a lower p90 anywhere fails "lowest".
+    peers = {**pols, "rsl_prefix": {"failures": 0, "hit_rate": 0.9, "ttft_p90_s": 0.25},
+             "rsl_kv": {"failures": 0, "hit_rate": 0.95, "ttft_p90_s": 0.15}}
+    c = ab.checks(peers)
+    assert c["ours_hit_rate_at_least_rsl_prefix"] is True and c["ours_hit_rate_at_least_rsl_kv"] is False
+    assert c["ours_ttft_p90_lowest"] is False and "ours_hit_rate_at_least_ray_prefix" not in c
     pols["pow2"]["failures"] = 2
     pols["round_robin"] = {"error": "deploy failed"}
     c = ab.checks(pols)
@@ -189,3 +246,24 @@ def test_locust_gets_the_think_time_unless_given():
     assert ab.arg_value(["--think-time=0.5"], "--think-time") == "0.5"
     assert ab.arg_value(["--think-time", "0"], "--think-time") == "0"
     assert ab.arg_value(["--sp-zipf=1"], "--think-time") is None
+
+
+def test_text_prompts_are_as_long_in_tokens_as_the_token_id_prompts():
+    """``--prompts text`` (the default): shared_prefix sends text, its lengths given in words so that its
+    prompts come to the config's tokens under the model's tokenizer; ``--prompts ids``: token ids."""
+    from bench.ab.cli import _workload_args
+    from bench.ab.load import text_tokens_per_word
+    from locustfiles import workloads as W
+
+    _, base = ab.load_app_entry(REPO / "serve_config.yaml")
+    sp = Path("locustfiles/shared_prefix.py")
+    text = _workload_args(ab.parse_args([]), base, sp)
+    per_word = text_tokens_per_word(REPO / base["args"]["model"], 0)
+    system_words = int(ab.arg_value(text, "--sp-system-tokens"))
+    assert ab.arg_value(text, "--sp-text") == "true" and per_word > 1.0
+    assert 3072 - per_word < system_words * per_word <= 3072  # W.SharedPrefixConfig().system_tokens
+    low, high = W.parse_range(ab.arg_value(text, "--sp-question-tokens"))
+    assert (low, high) == (int(16 / per_word), int(64 / per_word))
+    assert ab.arg_value(_workload_args(ab.parse_args(["--prompts", "ids"]), base, sp), "--sp-text") is None
+    given = _workload_args(ab.parse_args(["--locust-arg=--sp-system-tokens=100"]), base, sp)
+    assert ab.arg_value(given, "--sp-system-tokens") is None  # the caller's stands (it is in --locust-arg)

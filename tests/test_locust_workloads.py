@@ -65,6 +65,20 @@ def test_shared_prefix_groups_share_their_system_prompt_and_popularity_is_skewed
     assert len({tuple(s) for s in wl.systems}) == 8
 
 
+def test_shared_prefix_text_is_the_same_prompts_a_word_per_token_id():
+    """The text form draws what the token-id form draws (same seed, same order) and writes token id
+    ``t`` as ``WORDS[t % len(WORDS)]``: a group's requests share its system prompt's text, whole words."""
+    cfg = W.SharedPrefixConfig(groups=4, system_tokens=64, question_tokens=(8, 16))
+    ids, text = draw(W.SharedPrefix(cfg, seed=2), 9, 200), draw(W.SharedPrefixText(cfg, seed=2), 9, 200)
+    for a, b in zip(ids, text, strict=True):
+        assert (a.route, a.tag, a.meta, a.body["max_tokens"]) == (b.route, b.tag, b.meta, b.body["max_tokens"])
+        words = b.body["prompt"].split(" ")
+        assert words == [W.WORDS[t % len(W.WORDS)] for t in a.body["prompt"]]
+    system = {r.meta["group"]: " ".join(r.body["prompt"].split(" ")[:64]) + " " for r in text}
+    assert len(set(system.values())) == len(system) > 1  # distinct system prompts
+    assert all(r.body["prompt"].startswith(system[r.meta["group"]]) for r in text)
+
+
 def test_zipf_zero_is_uniform_and_weights_follow_the_rank():
     assert S.zipf_weights(4, 0.0) == [1.0] * 4
     w = S.zipf_weights(24, 1.2)

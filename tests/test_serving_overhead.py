@@ -149,13 +149,48 @@ def test_ray_serve_llm_runs_the_bare_servers_model_and_engine_flags():
     def engine_args(argv: list[str]) -> AsyncEngineArgs:
         return AsyncEngineArgs.from_cli_args(make_arg_parser(FlexibleArgumentParser()).parse_args(argv))
 
-    bare = engine_args(vllm_server.command(args, 0)[3:])
+    bare_argv = vllm_server.command(args, 0)[3:]
+    bare = engine_args(bare_argv)
+    bare_flags = make_arg_parser(FlexibleArgumentParser()).parse_args(bare_argv)  # engine and frontend flags
     default = engine_args(["--model", bare.model])
     assert llm.model_loading_config.model_id == args["served_model_name"] and bare.served_model_name
     assert llm.model_loading_config.model_source == bare.model
     for key, value in llm.engine_kwargs.items():
-        assert getattr(bare, key) == value, key
+        assert getattr(bare_flags, key) == value, key
+    # The one frontend flag: usage reports cached tokens, as the bare server's and ours do.
+    assert llm.engine_kwargs["enable_prompt_tokens_details"] is True
     changed = {f.name for f in dataclasses.fields(AsyncEngineArgs)
                if getattr(bare, f.name) != getattr(default, f.name)} - {"served_model_name"}
     assert {"block_size", "max_model_len", "num_gpu_blocks_override", "max_num_seqs"} <= changed
     assert changed <= llm.engine_kwargs.keys(), changed - llm.engine_kwargs.keys()
+
+
+def test_ray_serve_llm_kv_router_tokenizer_imports_on_the_pinned_vllm():
+    """``bench/rsl_compat`` on ``PYTHONPATH`` (the Ray Serve LLM apps' processes, ``serve_rsl.llm_config``):
+    Ray 2.60's KV-aware tokenizer module imports on vLLM 0.32, which it does not without it, and the
+    moved module is vLLM's own."""
+    import os
+    import subprocess
+    import sys
+
+    from bench import serve_rsl
+
+    probe = ("import importlib\n"
+             "importlib.import_module('ray.llm._internal.serve.routing_policies.kv_aware.vllm.tokenizer')\n"
+             "import vllm.entrypoints.chat_utils as old, vllm.renderers.chat_utils as new\n"
+             "print('same', old is new)\n")
+
+    def run(pythonpath: str | None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath
+        return subprocess.run([sys.executable, "-c", probe], cwd=so.REPO, env=env, capture_output=True, text=True,
+                              timeout=300)
+
+    without = run(None)
+    assert without.returncode != 0 and "No module named 'vllm.entrypoints.chat_utils'" in without.stderr
+    llm = serve_rsl.llm_config({"model": "m", "served_model_name": "m", "engine": {
+        "block_size": 32, "max_model_len": 64, "gpu_memory_utilization": 0.1, "max_num_seqs": 1}})
+    with_compat = run(llm["runtime_env"]["env_vars"]["PYTHONPATH"])
+    assert with_compat.returncode == 0, with_compat.stderr[-2000:]
+    assert with_compat.stdout.strip().splitlines()[-1] == "same True"

@@ -9,7 +9,7 @@ Serve imports by path stay beside this package: ``bench.ab_routers``, ``bench.ab
 """
 
 from bench.ab.cli import main, parse_args
-from bench.ab.deploy import OURS_CLASS, ROUTERS, app_entry_for, load_app_entry
+from bench.ab.deploy import OURS_CLASS, ROUTERS, RSL_ROUTERS, app_entry_for, load_app_entry, ready_paths
 from bench.ab.load import arg_value, size_workload
 from bench.ab.measure import INGRESS_CACHED, INGRESS_PROMPT, VLLM_HITS, VLLM_QUERIES
 from bench.ab.report import checks, format_table, policy_summary
@@ -19,6 +19,7 @@ __all__ = [
     "INGRESS_PROMPT",
     "OURS_CLASS",
     "ROUTERS",
+    "RSL_ROUTERS",
     "VLLM_HITS",
     "VLLM_QUERIES",
     "app_entry_for",
@@ -29,5 +30,6 @@ __all__ = [
     "main",
     "parse_args",
     "policy_summary",
+    "ready_paths",
     "size_workload",
 ]

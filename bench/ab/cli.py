@@ -2,33 +2,39 @@
 
 Usage::
 
-    python -m bench.ab [--routers ours,pow2,round_robin,ray_prefix] [--locustfile locustfiles/shared_prefix.py]
+    python -m bench.ab [--routers ours,pow2,round_robin,ray_prefix,rsl_prefix,rsl_kv]
+                       [--locustfile locustfiles/shared_prefix.py] [--prompts text|ids] [--kv-blocks N]
                        [--users 8] [--spawn-rate 4] [--run-time 60] [--seed 0] [--out reports/ab]
 
 For each router in the list (``ours`` = ``app.router.prefix_affinity:PrefixAffinityRouter`` with the
 config's kwargs; ``pow2`` = Serve's default ``PowerOfTwoChoicesRequestRouter``;
 ``round_robin`` = ``bench.ab_routers:RoundRobinRouter``; ``ray_prefix`` = Ray's
-``PrefixCacheAffinityRouter`` via ``bench.ab_ray_router``), the harness
+``PrefixCacheAffinityRouter`` via ``bench.ab_ray_router``, in our app; ``rsl_prefix`` and
+``rsl_kv`` = Ray Serve LLM's own app, ``bench.serve_rsl``, with its ``PrefixCacheAffinityRouter``
+or ``KVAwareRouter``, on the same args), the harness
 
 1. deploys the engines config (``--config``, default ``serve_config.yaml``) with that
    router as the engine deployment's ``request_router_config``, through the Serve
    controller on 127.0.0.1 (``ServeDeploySchema`` + ``deploy_apps``, as ``serve run``),
-   and waits for ``GET /health``;
+   and waits for ``GET /health`` (``deploy.ready_paths``);
 2. warms up (a few short unrelated requests, then one routing-stats period);
 3. reads the prefix-cache counters: the ingress's ``prefix_serve_cached_tokens_total`` /
    ``prefix_serve_prompt_tokens_total`` (``GET /metrics``; the engines' own per-request
-   counts, the same source for every router) and, where ``GET /metrics/engines`` lists
+   counts, the same source for every router; Ray Serve LLM's apps have none: there the
+   hit rate is the answers' ``usage`` counts, ``hit_rate_source`` ``client``) and, where
+   ``GET /metrics/engines`` lists
    the engines (only our router knows them), vLLM's ``vllm:prefix_cache_hits_total`` /
    ``vllm:prefix_cache_queries_total`` from each engine;
 4. runs Locust headless as a subprocess with a fixed seed and duration (each user
    thinks ``--think-time`` s on average between requests, 0.8 by default; for
-   ``shared_prefix``, ``--sp-groups`` is sized to ``--working-set-factor`` x one
-   replica's KV cache when the config pins it), and accounts the CPU seconds of the
+   ``shared_prefix``, text prompts unless ``--prompts ids``, and ``--sp-groups`` sized to
+   ``--working-set-factor`` x one replica's KV cache when the config (or ``--kv-blocks``)
+   pins it), and accounts the CPU seconds of the
    ingress, the engines, the whole harness and the whole machine meanwhile;
 5. reads the counters again, saves the ingress's metrics (and, for our router, where
    every request went and why), and deletes the app.
 
-One Ray cluster serves all routers (``ray.init(num_cpus=2)`` on 127.0.0.1, or an
+One Ray cluster serves all routers (``ray.init(num_cpus=3)`` on 127.0.0.1, or an
 existing one with ``--address``); every HTTP call goes to 127.0.0.1. The run is
 bounded: a router that no longer fits ``--budget-s`` is skipped (and reported),
 every wait has a timeout, and a watchdog ends the process at budget + 30 s.
@@ -68,6 +74,7 @@ from bench.ab.deploy import (
     delete_app,
     deploy,
     load_app_entry,
+    ready_paths,
     start_ray,
     stop_ray,
     wait_ready,
@@ -80,6 +87,7 @@ from bench.ab.load import (
     run_locust,
     served_model,
     size_workload,
+    text_tokens_per_word,
     warm_up,
 )
 from bench.ab.measure import cpu_delta, cpu_snapshot, read_counters, save_ingress_metrics, save_routing_debug
@@ -100,11 +108,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=int(os.environ.get("AB_PORT", "18500")),
                    help="HTTP port of the Serve proxy on 127.0.0.1")
     p.add_argument("--out", default="reports/ab")
-    p.add_argument("--budget-s", type=float, default=870.0,
+    p.add_argument("--budget-s", type=float, default=1800.0,
                    help="the whole run, Ray start to shutdown; a router that no longer fits is skipped")
     p.add_argument("--deploy-timeout-s", type=float, default=300.0)
     p.add_argument("--warmup-requests", type=int, default=8)
-    p.add_argument("--num-cpus", type=float, default=2.0, help="CPUs of the local Ray cluster")
+    p.add_argument("--num-cpus", type=float, default=3.0,
+                   help="logical CPUs of the local Ray cluster: they place actors, they do not add cores. "
+                        "3 leaves room for the Ray Serve LLM apps' actors (rsl_prefix's prefix-tree actor asks "
+                        "for a whole CPU beside two engines of 0.75: its requests wait for it forever on 2)")
     p.add_argument("--address", default=None, help="an existing Ray cluster (e.g. auto) instead of a local one")
     p.add_argument("--locust-arg", action="append", default=[],
                    help="extra Locust argument, repeatable (e.g. --locust-arg=--sp-zipf=0.8)")
@@ -112,6 +123,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="mean think time of each Locust user between requests, s (exponential; "
                         "0: back to back). 8 users x 0.8 s offer about 60 %% of what the CPU default "
                         "serves back to back, so TTFT shows prefill work rather than a saturated queue")
+    p.add_argument("--kv-blocks", type=int, default=0,
+                   help="pin every engine replica's KV cache to this many blocks (engine.num_gpu_blocks_override) "
+                        "for every router: the cache-pressure load (make ab's second run, reports/ab-pressure); "
+                        "0: the config's")
+    p.add_argument("--prompts", choices=("text", "ids"), default="text",
+                   help="shared_prefix: prompts as text (--sp-text: routers that match text, Ray's prefix "
+                        "trees, see them; a word is about 1.4 tokens on the tiny model) or as token ids")
     p.add_argument("--working-set-factor", type=float, default=1.5,
                    help="shared_prefix: size --sp-groups to this many times one replica's pinned KV cache "
                         "(0: the locustfile's default; ignored when --sp-groups is given)")
@@ -146,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     locustfile, config_path = _in_repo(args.locustfile), _in_repo(args.config)
     serve_cfg, base_entry = load_app_entry(config_path)
+    if args.kv_blocks:
+        base_entry["args"].setdefault("engine", {})["num_gpu_blocks_override"] = args.kv_blocks
     workload_args = _workload_args(args, base_entry, locustfile)
     spec = LoadSpec(locustfile, args.users, args.spawn_rate, args.run_time, args.seed,
                     list(args.locust_arg) + workload_args)
@@ -178,10 +198,23 @@ def _in_repo(path: str) -> Path:
 
 
 def _workload_args(args: argparse.Namespace, base_entry: dict[str, Any], locustfile: Path) -> list[str]:
-    """Locust arguments the harness adds: the working set's size, and the think time unless given."""
-    workload_args = size_workload(base_entry, locustfile, list(args.locust_arg), args.working_set_factor)
+    """Locust arguments the harness adds: text prompts (``--prompts text``), the working set's size
+    (in the tokens its prompts come to), and the think time unless given."""
+    given = list(args.locust_arg)
+    text_flag, extra = W.SHARED_PREFIX_TEXT.flag, []
+    if locustfile.stem == W.SharedPrefix.name and args.prompts == "text" and arg_value(given, text_flag) is None:
+        extra.append(f"{text_flag}=true")
+    text = W.SHARED_PREFIX_TEXT.parse(arg_value(given + extra, text_flag) or False)
+    per_word = text_tokens_per_word(_in_repo(base_entry["args"]["model"]), args.seed) if text else 1.0
+    if text:  # as many tokens as the token-id prompts: the lengths the config gives, in words
+        for field in ("system_tokens", "question_tokens"):
+            o = W.by_field(W.SharedPrefix.options, field)
+            if arg_value(given, o.flag) is None:
+                low, high = (max(1, int(n / per_word)) for n in W.parse_range(o.default))
+                extra.append(f"{o.flag}={low}" if low == high else f"{o.flag}={low}-{high}")
+    workload_args = extra + size_workload(base_entry, locustfile, given + extra, args.working_set_factor, per_word)
     think = W.COMMON["think_time"].flag
-    if arg_value(list(args.locust_arg), think) is None:
+    if arg_value(given, think) is None:
         workload_args.append(f"{think}={args.think_time:g}")
     return workload_args
 
@@ -267,7 +300,7 @@ def _run_router(exp: Experiment, router: str, app_name: str, run: dict[str, Any]
     t0 = time.monotonic()
     deploy(app_entry_for(exp.base_entry, app_name, router), args.port, exp.proxy_location)
     remaining = args.budget_s - (time.monotonic() - exp.t_start) - args.run_time - 25
-    wait_ready(app_name, base_url, max(30.0, min(args.deploy_timeout_s, remaining)))
+    wait_ready(app_name, base_url, max(30.0, min(args.deploy_timeout_s, remaining)), ready_paths(router))
     run["startup_s"] = round(time.monotonic() - t0, 1)
     log(f"[{router}] ready in {run['startup_s']} s; warming up")
     model = served_model(base_url)

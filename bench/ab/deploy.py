@@ -23,6 +23,20 @@ ROUTERS: dict[str, str | None] = {
     "round_robin": "bench.ab_routers:RoundRobinRouter",
     "ray_prefix": "bench.ab_ray_router:RayPrefixCacheAffinityRouter",
 }
+RSL_ROUTERS: dict[str, str] = {
+    # Ray Serve LLM's own apps (bench.serve_rsl: build_openai_app), each with one of its routers.
+    "rsl_prefix": "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
+    "rsl_kv": "ray.serve.llm.request_router:KVAwareRouter",
+}
+ROUTERS.update(RSL_ROUTERS)
+RSL_IMPORT_PATH = "bench.serve_rsl:build"
+RSL_ENV = {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1"}
+"""Ray Serve LLM's direct streaming (its docs: user-guides/direct-streaming), on HAProxy (``infra.ray_env``)."""
+RSL_DIRECT = frozenset({"rsl_kv"})
+"""The Ray Serve LLM routers run with direct streaming (``RSL_ENV``). Its prefix-tree router runs in
+Ray Serve LLM's default layout (``OpenAiIngress`` -> ``LLMServer`` over a handle): with direct
+streaming, here, a warm-up request timed out, another got a 500 and its hit rate fell from 0.80 to
+0.68 (20-s runs), as if HAProxy fell back to its own balancing."""
 OURS_CLASS = "app.router.prefix_affinity:PrefixAffinityRouter"
 ENGINE_DEPLOYMENT = "VLLMEngine"
 
@@ -45,7 +59,11 @@ def app_entry_for(base_entry: dict[str, Any], name: str, router: str) -> dict[st
     Ours is the builder's own router config (``app.builder``: the class, the
     ``args.router`` knobs with the block size, the stats period), so it gets no
     override; a baseline gets a ``deployments:`` override with its class, no
-    kwargs and the same routing-stats period and timeout.
+    kwargs and the same routing-stats period and timeout. A Ray Serve LLM router
+    (``RSL_ROUTERS``) runs in Ray Serve LLM's own app (``bench.serve_rsl``) on the same
+    args (model, engine flags, replicas), with its class as the engine deployment's
+    router (``args.rsl``) and none of our app's deployment overrides; ``rsl_kv`` with direct
+    streaming (``RSL_DIRECT``: ``RSL_ENV`` in the app's runtime environment).
     """
     from app.builder import ROUTING_STATS_PERIOD_S, ROUTING_STATS_TIMEOUT_S
 
@@ -53,6 +71,16 @@ def app_entry_for(base_entry: dict[str, Any], name: str, router: str) -> dict[st
     entry["name"] = name
     entry.setdefault("route_prefix", "/")
     cls = ROUTERS[router]
+    if router in RSL_ROUTERS:
+        entry["import_path"] = RSL_IMPORT_PATH
+        entry.pop("deployments", None)
+        entry["args"]["rsl"] = {"request_router_class": cls}
+        if router in RSL_DIRECT:
+            # The path Ray Serve LLM's KVAwareRouter needs (without it that router finds no KV tracker
+            # and picks at random): the engine replicas serve HTTP behind HAProxy, whose ingress
+            # request router (LLMRouter) tokenizes and picks the replica.
+            entry.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(RSL_ENV)
+        return entry
     if cls is None:
         return entry
     deployments = entry.setdefault("deployments", [])
@@ -88,8 +116,14 @@ def deploy(entry: dict[str, Any], port: int, proxy_location: str = "HeadOnly") -
     client.deploy_apps(config, _blocking=False)
 
 
-def wait_ready(name: str, base_url: str, timeout_s: float) -> None:
-    """Until the app is RUNNING and answers ``GET /health`` and ``GET /v1/models``."""
+def ready_paths(router: str) -> tuple[str, ...]:
+    """What ``router``'s app answers 200 to once it serves: ours ``/health`` and ``/v1/models``; Ray
+    Serve LLM's ingress has no ``/health`` (its engines are up once Serve lists the app RUNNING)."""
+    return ("/v1/models",) if router in RSL_ROUTERS else ("/health", "/v1/models")
+
+
+def wait_ready(name: str, base_url: str, timeout_s: float, paths: tuple[str, ...] = ("/health", "/v1/models")) -> None:
+    """Until the app is RUNNING and answers 200 to ``GET`` of each of ``paths``."""
     import httpx
     from ray import serve
 
@@ -103,8 +137,7 @@ def wait_ready(name: str, base_url: str, timeout_s: float) -> None:
                 raise RuntimeError(f"app {name} failed: {last}")
             if status.status == "RUNNING":
                 try:
-                    if (httpx.get(f"{base_url}/health", timeout=10).status_code == 200
-                            and httpx.get(f"{base_url}/v1/models", timeout=10).status_code == 200):
+                    if all(httpx.get(f"{base_url}{p}", timeout=10).status_code == 200 for p in paths):
                         return
                 except httpx.HTTPError:
                     pass

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 import random
 import signal
@@ -22,11 +21,13 @@ from locustfiles import workloads as W
 
 
 def warm_up(base_url: str, model: str, n: int, seed: int) -> dict[str, Any]:
-    """``n`` short requests with prompts unrelated to the workload (2 at a time)."""
+    """``n`` short requests with prompts unrelated to the workload (2 at a time), as text: Ray's
+    ``PrefixCacheAffinityRouter`` (rsl_prefix) divides by the prompt's text length and never answers
+    a token-id prompt (Ray 2.60: ``ZeroDivisionError`` in ``_prefix_match_best_replicas``)."""
     import httpx
 
     rng = random.Random(f"warmup:{seed}")
-    prompts = [[rng.randrange(*W.DEFAULT_TOKEN_RANGE) for _ in range(48)] for _ in range(n)]
+    prompts = [W.words(rng, 36) for _ in range(n)]
     errors: list[str] = []
 
     def one(prompt):
@@ -67,10 +68,25 @@ def kv_capacity(entry: dict[str, Any]) -> int | None:
     return int(blocks) * int(engine.get("block_size", 16)) if blocks else None
 
 
-def size_workload(base_entry: dict[str, Any], locustfile: Path, locust_args: list[str], factor: float) -> list[str]:
+def text_tokens_per_word(model_dir: Path, seed: int = 0, n: int = 4096) -> float:
+    """Tokens per word of ``workloads.SharedPrefixText``'s prompts under the model's tokenizer
+    (``<model_dir>/tokenizer.json``): ``n`` token ids drawn as the workload draws them, written as
+    its words, tokenized as the engine tokenizes a text prompt (1.41 on the tiny default model)."""
+    from tokenizers import Tokenizer
+
+    rng = random.Random(f"words:{seed}")
+    text = " ".join(W.WORDS[t % len(W.WORDS)] for t in W.token_ids(rng, n))
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return len(tokenizer.encode(text, add_special_tokens=False).ids) / n
+
+
+def size_workload(base_entry: dict[str, Any], locustfile: Path, locust_args: list[str], factor: float,
+                  tokens_per_word: float = 1.0) -> list[str]:
     """Locust arguments that size the shared-system-prompt working set to ``factor``
     times one engine replica's KV cache, when the config pins it
     (``num_gpu_blocks_override`` x ``block_size``) and ``--sp-groups`` is not given.
+    ``tokens_per_word``: the tokens of a prompt position, for text prompts (``--sp-text``:
+    ``text_tokens_per_word``), 1 for token ids.
 
     A working set that fits in every replica's cache makes every router look the
     same after warm-up; one that fits the cluster only when each replica keeps to
@@ -84,9 +100,10 @@ def size_workload(base_entry: dict[str, Any], locustfile: Path, locust_args: lis
     blocks = engine.get("num_gpu_blocks_override")
     if not blocks:
         return []
-    system_tokens = system.parse(arg_value(locust_args, system.flag) or system.default)
+    system_tokens = system.parse(arg_value(locust_args, system.flag) or system.default) * tokens_per_word
     capacity = int(blocks) * int(engine.get("block_size", 16))
-    return [f"{groups.flag}={max(2, math.ceil(factor * capacity / system_tokens))}"]
+    # The nearest count: text prompts come to a few tokens under their token-id length (whole words).
+    return [f"{groups.flag}={max(2, round(factor * capacity / system_tokens))}"]
 
 
 @dataclass

@@ -16,6 +16,12 @@ INGRESS_CACHED = "prefix_serve_cached_tokens_total"
 INGRESS_PROMPT = "prefix_serve_prompt_tokens_total"
 VLLM_HITS = "vllm:prefix_cache_hits_total"
 VLLM_QUERIES = "vllm:prefix_cache_queries_total"
+ROLES: dict[str, tuple[str, ...]] = {
+    # Serve deployment names by role: ours (app.builder), then Ray Serve LLM's (bench.serve_rsl:
+    # its ingress, the request-router peer HAProxy asks, and its LLMServer:<model> engines).
+    "ingress": ("OpenAIIngress", "OpenAiIngress", "LLMRouter"),
+    "engines": ("VLLMEngine", "LLMServer"),
+}
 
 
 def _sum_samples(text: str, names: set[str]) -> dict[str, float]:
@@ -102,8 +108,9 @@ def save_routing_debug(base_url: str, out_dir: Path, max_decisions: int = 5000) 
 
 def cpu_snapshot(app_name: str) -> dict[str, float]:
     """CPU seconds (user + system) used so far by this run's processes, by role, and by
-    the whole machine: ``ingress``, ``engines`` (replica actors with their vLLM
-    EngineCore/Worker children), ``cluster`` (every process this harness started: Ray,
+    the whole machine: ``ingress`` (``ROLES``: ours, or Ray Serve LLM's ingress and its
+    request-router peer), ``engines`` (replica actors with their vLLM EngineCore/Worker
+    children), ``cluster`` (every process this harness started: Ray,
     Serve, engines, Locust) and ``machine`` (all CPUs, from /proc/stat). The difference
     ``machine - cluster`` over a run is CPU taken by other work on the host."""
     import psutil
@@ -124,8 +131,8 @@ def cpu_snapshot(app_name: str) -> dict[str, float]:
             cmd = " ".join(p.cmdline())
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        role = ("ingress" if f"ServeReplica:{app_name}:OpenAIIngress" in cmd
-                else "engines" if f"ServeReplica:{app_name}:VLLMEngine" in cmd else None)
+        role = next((r for r, names in ROLES.items() if any(f"ServeReplica:{app_name}:{n}" in cmd for n in names)),
+                    None)
         if role:
             try:
                 for q in [p] + p.children(recursive=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.ab.deploy import OURS_CLASS, ROUTERS
+from bench.ab.deploy import OURS_CLASS, ROUTERS, RSL_ROUTERS
 from bench.ab.load import read_locust_stats, read_samples
 from bench.ab.measure import INGRESS_CACHED, INGRESS_PROMPT, VLLM_HITS, VLLM_QUERIES
 from bench.stats import percentile
@@ -43,11 +43,16 @@ def policy_summary(router: str, out_dir: Path, run_time_s: int, before: dict, af
     d_queries = _delta(before.get("engines"), after.get("engines"), VLLM_QUERIES)
     c_prompt = sum(s.get("prompt_tokens") or 0 for s in ok)
     c_cached = sum(s.get("cached_tokens") or 0 for s in ok)
+    # The ingress's counters where the app has them (ours); Ray Serve LLM's apps have none, and there the
+    # answers' own counts (usage.prompt_tokens_details.cached_tokens, the same engine numbers) stand in.
+    hit_rate_ingress = _r(d_cached / d_prompt) if d_cached is not None and d_prompt else None
+    hit_rate_client = _r(c_cached / c_prompt) if c_prompt else None
     return {
         "router_class": ROUTERS[router] or OURS_CLASS,
         "requests": requests,
         "failures": failures,
-        "hit_rate": _r(d_cached / d_prompt) if d_cached is not None and d_prompt else None,
+        "hit_rate": hit_rate_ingress if hit_rate_ingress is not None else hit_rate_client,
+        "hit_rate_source": "ingress" if hit_rate_ingress is not None else "client" if c_prompt else None,
         "ttft_p50_s": _r(percentile(ttft, 50, None)),
         "ttft_p90_s": _r(percentile(ttft, 90, None)),
         "ttft_p99_s": _r(percentile(ttft, 99, None)),
@@ -58,7 +63,7 @@ def policy_summary(router: str, out_dir: Path, run_time_s: int, before: dict, af
         "locust_csv_requests": csv_requests,
         "prompt_tokens": d_prompt,
         "cached_tokens": d_cached,
-        "hit_rate_client": _r(c_cached / c_prompt) if c_prompt else None,
+        "hit_rate_client": hit_rate_client,
         "hit_rate_engines": _r(d_hits / d_queries) if d_hits is not None and d_queries else None,
         "engine_targets": after.get("engine_targets") or [],
     }
@@ -119,12 +124,19 @@ def checks(policies: dict[str, Any]) -> dict[str, bool | None]:
         return bool(better(ours[key], o[key]))
 
     ran = [p for p in policies.values() if "error" not in p]
-    return {
+    out: dict[str, bool | None] = {
         "zero_failures": bool(ran) and all(p.get("failures") == 0 for p in ran) and len(ran) == len(policies),
         "ours_hit_rate_above_round_robin": cmp("round_robin", "hit_rate", lambda a, b: a > b),
         "ours_hit_rate_above_pow2": cmp("pow2", "hit_rate", lambda a, b: a > b),
         "ours_ttft_p90_below_round_robin": cmp("round_robin", "ttft_p90_s", lambda a, b: a < b),
     }
+    for peer in ("ray_prefix", *RSL_ROUTERS):  # the prefix-aware peers: at least their hit rate
+        if peer in policies:
+            out[f"ours_hit_rate_at_least_{peer}"] = cmp(peer, "hit_rate", lambda a, b: a >= b)
+    p90 = {n: p.get("ttft_p90_s") for n, p in policies.items() if p.get("ttft_p90_s") is not None}
+    out["ours_ttft_p90_lowest"] = (None if "ours" not in p90 or len(p90) < 2
+                                   else all(p90["ours"] <= v for v in p90.values()))
+    return out
 
 
 def format_table(summary: dict[str, Any]) -> str:
