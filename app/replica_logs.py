@@ -20,15 +20,20 @@ APP_LOGGER = "prefix_serve"
 
 class ToServeLog(logging.Handler):
     """Hands each record to the ``ray.serve`` logger as it is then (Serve replaces that logger's
-    handlers when it reconfigures a replica's logging): its filters, handlers and level rules."""
+    handlers when it reconfigures a replica's logging): a record below that logger's level (the
+    deployment's ``logging_config.log_level``) is dropped, the rest go through its filters and handlers."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        logging.getLogger(SERVE_LOGGER).handle(record)
+        serve = logging.getLogger(SERVE_LOGGER)
+        if serve.isEnabledFor(record.levelno):
+            serve.handle(record)
 
 
-def to_serve_log(level: int = logging.INFO) -> None:
-    """Send the ``prefix_serve`` loggers' records of ``level`` and above to this replica's Serve log
-    (call in a replica's constructor; idempotent). They no longer reach the root logger."""
+def to_serve_log(level: int = logging.WARNING) -> None:
+    """Send the ``prefix_serve`` loggers' records of ``level`` and above (the root logger's default,
+    as before) to this replica's Serve log (call in a replica's constructor; idempotent). They no
+    longer reach the root logger. Under Serve's throughput profile its handlers buffer records below
+    ERROR in memory until an ERROR record or a full buffer flushes them."""
     logger = logging.getLogger(APP_LOGGER)
     if not any(isinstance(h, ToServeLog) for h in logger.handlers):
         logger.addHandler(ToServeLog())

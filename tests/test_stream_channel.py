@@ -247,6 +247,9 @@ def test_items_whose_wake_up_the_reader_missed_are_read_when_the_wait_ends(monke
             send = outbox.sender(inbox.address, "k")
             for item in ITEMS:
                 send(item)
+            poller = zmq.Poller()  # the items are in the socket before the wait starts
+            poller.register(inbox._sock, zmq.POLLIN)
+            assert poller.poll(10_000)
             got = [item async for item in _dispatcher(inbox)._channel_items(call, box)]
             assert got == ITEMS
             call.close()

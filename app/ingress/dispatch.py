@@ -181,13 +181,12 @@ class Dispatcher:
                     # timeout ran first in that turn of the loop) or whose wake-up the reader missed.
                     self.inbox.poll()  # type: ignore[union-attr]
                     late = box.get_nowait()
-                    if late is None:
-                        logger.error("stream %s: the engine call returned %.0f s ago and the end of its "
-                                     "stream never came (%d items of closed or unknown calls dropped so far)",
-                                     box.key.decode(), LATE_ITEMS_S, self.inbox.dropped)  # type: ignore[union-attr]
+                    if late is None:  # engine_failure logs the error; this says which stream
+                        logger.warning("stream %s: its engine call returned and no item came for %.1f s",
+                                       box.key.decode(), LATE_ITEMS_S)
                         raise RuntimeError("the engine call returned without the end of its stream") from None
-                    logger.warning("stream %s: an item came only when the socket was read again after %.0f s",
-                                   box.key.decode(), LATE_ITEMS_S)
+                    logger.warning("stream %s: an item came only as the wait of %.1f s for the stream's end ran "
+                                   "out", box.key.decode(), LATE_ITEMS_S)
                     item = late
                 if isinstance(item, _CallFailed):
                     raise item.error
