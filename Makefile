@@ -132,9 +132,11 @@ serving-overhead: install model
 # Locust CSV/HTML, ttft_cdf.png, hit_rate.png. Options: make ab AB_ARGS="--routers ours,rsl_kv --run-time 120"
 AB_ARGS ?=
 AB_PRESSURE_KV_BLOCKS ?= 256
+# Both loads run even when the first has a failed request; make fails with the worse exit status.
 ab: install model
-	$(PY) -m bench.ab --out reports/ab $(AB_ARGS)
-	$(PY) -m bench.ab --out reports/ab-pressure --kv-blocks $(AB_PRESSURE_KV_BLOCKS) $(AB_ARGS)
+	@$(PY) -m bench.ab --out reports/ab $(AB_ARGS); first=$$?; \
+	$(PY) -m bench.ab --out reports/ab-pressure --kv-blocks $(AB_PRESSURE_KV_BLOCKS) $(AB_ARGS); second=$$?; \
+	exit $$(( first > second ? first : second ))
 
 # The short A/B: ours against round robin, 20 s of load each, with its plots (ttft_cdf.png,
 # hit_rate.png), in about 4 minutes on 2 cores (257 s measured: most of it each router's deploy, ~50 s,

@@ -7,7 +7,8 @@ offered for the same job, measured on the same machine, load and engine (issues 
 - one ``LLMConfig``: the model and served name of ``serve_config.yaml``, its engine flags as
   vLLM engine arguments (``engine_kwargs``: block size, context length, KV blocks, batch size,
   prefix caching, eager mode, seed 0: what ``bench.vllm_server.command`` gives vLLM's bare
-  server), one engine replica in a one-CPU placement bundle (Ray Serve LLM infers the CPU
+  server), its engine replicas' count, CPUs, GPUs and ``max_ongoing_requests`` (one replica for
+  ``bench.serving_overhead``), each in one placement bundle (Ray Serve LLM infers the CPU
   accelerator from CPU-only bundles);
 - Ray Serve LLM's own ingress (``OpenAiIngress``) and its default request router, so the tokens
   go engine -> ``LLMServer`` replica -> ingress replica -> HAProxy -> client under the app's
@@ -28,14 +29,16 @@ from ray.serve import Application
 
 REPO = Path(__file__).resolve().parents[1]
 COMPAT = REPO / "bench" / "rsl_compat"
+DIRECT_STREAMING = "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING"
+"""Ray Serve LLM's switch for direct streaming (``ray/llm/_internal/serve/constants.py``)."""
 """On the ``PYTHONPATH`` of the app's processes: its ``sitecustomize`` maps the one vLLM module Ray
 2.60's KV-aware tokenizer looks for at its old path (see that file)."""
 
 
 def llm_config(args: dict[str, Any]) -> dict[str, Any]:
     """The ``LLMConfig`` (as a dict) of the app args ``args`` (``serve_config.yaml``'s: ``model``,
-    ``served_model_name``, ``engine``; ``engine_replicas``' ``num_replicas`` (default 1) and
-    ``num_cpus`` (default 1), each replica's placement bundle; ``max_ongoing_requests``), plus the
+    ``served_model_name``, ``engine``, ``engine_replicas``: a fixed ``num_replicas``, and ``num_cpus``
+    and ``num_gpus``, each replica's placement bundle, and ``max_ongoing_requests``), plus the
     bench-only key ``rsl``: ``{"request_router_class": import path, "request_router_kwargs": {...}}``,
     the request router of the engine deployment (default: Ray Serve LLM's own, power of two choices).
 
@@ -44,7 +47,9 @@ def llm_config(args: dict[str, Any]) -> dict[str, Any]:
     ``usage.prompt_tokens_details.cached_tokens`` reports the prefix-cache hit as ours does.
 
     Raises:
-        KeyError: ``args`` lacks ``model``, ``served_model_name`` or ``engine``.
+        KeyError: ``args`` lacks ``engine``.
+        pydantic.ValidationError: ``args`` (less ``rsl``) are not valid app args.
+        ValueError: an autoscaled engine deployment (no fixed count).
     """
     engine = args["engine"]
     kwargs: dict[str, Any] = {
@@ -56,21 +61,28 @@ def llm_config(args: dict[str, Any]) -> dict[str, Any]:
     for key in ("num_gpu_blocks_override", "kv_cache_memory_bytes"):
         if engine.get(key) is not None:
             kwargs[key] = engine[key]
-    replicas = args.get("engine_replicas") or {}
-    deployment: dict[str, Any] = {"num_replicas": int(replicas.get("num_replicas") or 1),
-                                  "max_ongoing_requests": int(replicas.get("max_ongoing_requests") or 256),
+    from app.config import AppArgs
+
+    app = AppArgs.model_validate({k: v for k, v in args.items() if k != "rsl"})  # our app's defaults and checks
+    replicas = app.engine_replicas
+    if replicas.num_replicas is None:
+        raise ValueError("Ray Serve LLM's app here takes a fixed engine_replicas.num_replicas, not autoscaling")
+    deployment: dict[str, Any] = {"num_replicas": replicas.num_replicas,
+                                  "max_ongoing_requests": replicas.max_ongoing_requests,
                                   "ray_actor_options": {"num_cpus": 0.25}}
+    bundle = {"CPU": replicas.num_cpus, **({"GPU": replicas.num_gpus} if replicas.num_gpus else {})}
     router = args.get("rsl") or {}
     if router.get("request_router_class"):
         deployment["request_router_config"] = {
             "request_router_class": router["request_router_class"],
             "request_router_kwargs": dict(router.get("request_router_kwargs") or {})}
     return {
-        "model_loading_config": {"model_id": args["served_model_name"], "model_source": str(REPO / args["model"])},
-        # Ray 2.60's KV-aware tokenizer on vLLM 0.32: one module path that moved (bench/rsl_compat).
-        "runtime_env": {"env_vars": {"PYTHONPATH": str(COMPAT)}},
+        "model_loading_config": {"model_id": app.served_model_name, "model_source": app.resolved_model()},
+        # Ray 2.60's KV-aware tokenizer on vLLM 0.32: one module path that moved (bench/rsl_compat),
+        # before the cluster's own PYTHONPATH (Ray expands ${PYTHONPATH}).
+        "runtime_env": {"env_vars": {"PYTHONPATH": f"{COMPAT}:${{PYTHONPATH}}"}},
         "engine_kwargs": kwargs,
-        "placement_group_config": {"bundles": [{"CPU": float(replicas.get("num_cpus") or 1)}]},
+        "placement_group_config": {"bundles": [bundle]},
         "deployment_config": deployment,
     }
 
@@ -84,7 +96,7 @@ def build(args: dict[str, Any]) -> Application:
     """
     from ray.serve.llm import build_openai_app
 
-    if os.environ.get("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", "0") == "1":
+    if os.environ.get(DIRECT_STREAMING, "0") == "1":
         return build_openai_app({"llm_configs": [llm_config(args)]})
     return build_openai_app({"llm_configs": [llm_config(args)],
                              "ingress_deployment_config": {"max_ongoing_requests": 1024,

@@ -306,6 +306,12 @@ class SharedPrefix:
                           tag=f"group-{g}", meta={"group": g})
 
 
+def ids_as_text(ids: Sequence[int]) -> str:
+    """Token ids as text, a word of ``WORDS`` per id (``WORDS[t % len(WORDS)]``), joined by spaces:
+    two id lists that share a prefix give texts that share a prefix of whole words."""
+    return " ".join(WORDS[t % len(WORDS)] for t in ids)
+
+
 class SharedPrefixText(SharedPrefix):
     """:class:`SharedPrefix` with text prompts: each token id ``t`` of a prompt becomes the word
     ``WORDS[t % len(WORDS)]``, words joined by spaces, so two prompts that share a token-id prefix
@@ -319,12 +325,13 @@ class SharedPrefixText(SharedPrefix):
 
     def sample(self, rng: random.Random) -> LLMRequest:
         req = super().sample(rng)
-        req.body["prompt"] = " ".join(WORDS[t % len(WORDS)] for t in req.body["prompt"])
+        req.body["prompt"] = ids_as_text(req.body["prompt"])
         return req
 
 
 SHARED_PREFIX_TEXT = Option("--sp-text", "SP_TEXT", False,
-                            "send each prompt as text, a word per token id (SharedPrefixText), not token ids")
+                            "send each prompt as text, a word per token id (SharedPrefixText), not token ids; "
+                            "--sp-system-tokens and --sp-question-tokens then count words")
 """The option of ``locustfiles/shared_prefix.py`` that picks :class:`SharedPrefixText`."""
 
 

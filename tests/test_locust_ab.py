@@ -46,7 +46,7 @@ def test_each_router_is_deployed_with_its_class_and_the_same_engines():
             assert llm.engine_kwargs["num_gpu_blocks_override"] == base["args"]["engine"]["num_gpu_blocks_override"]
             assert llm.placement_group_config["bundles"] == [{"CPU": base["args"]["engine_replicas"]["num_cpus"]}]
             assert ab.ready_paths(router) == ("/v1/models",)
-            assert llm.runtime_env["env_vars"]["PYTHONPATH"] == str(REPO / "bench" / "rsl_compat")
+            assert llm.runtime_env["env_vars"]["PYTHONPATH"] == f"{REPO / 'bench' / 'rsl_compat'}:${{PYTHONPATH}}"
             if router == "rsl_kv":  # direct streaming
                 assert entry["runtime_env"] == {"env_vars": {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1"}}
             else:
@@ -209,11 +209,15 @@ def test_checks_compare_ours_with_the_baselines():
     assert c == {"zero_failures": True, "ours_hit_rate_above_round_robin": True,
                  "ours_hit_rate_above_pow2": True, "ours_ttft_p90_below_round_robin": True,
                  "ours_ttft_p90_lowest": True}
-    # The prefix-aware peers: a tie in hit rate passes, a lower p90 anywhere fails "lowest".
-    peers = {**pols, "rsl_prefix": {"failures": 0, "hit_rate": 0.9, "ttft_p90_s": 0.25},
-             "rsl_kv": {"failures": 0, "hit_rate": 0.95, "ttft_p90_s": 0.15}}
+    # The prefix-aware peers: a tie in hit rate passes, a lower p90 anywhere fails "lowest". Ray Serve
+    # LLM's apps are compared by the answers' counts (hit_rate_client), ours too.
+    peers = {**pols, "rsl_prefix": {"failures": 0, "hit_rate": 0.9, "hit_rate_client": 0.89, "ttft_p90_s": 0.25},
+             "rsl_kv": {"failures": 0, "hit_rate": 0.88, "hit_rate_client": 0.88, "ttft_p90_s": 0.15}}
+    peers["ours"] = {**pols["ours"], "hit_rate_client": 0.89}
     c = ab.checks(peers)
-    assert c["ours_hit_rate_at_least_rsl_prefix"] is True and c["ours_hit_rate_at_least_rsl_kv"] is False
+    assert c["ours_hit_rate_at_least_rsl_prefix"] is True and c["ours_hit_rate_at_least_rsl_kv"] is True
+    peers["rsl_kv"]["hit_rate_client"] = 0.895  # ours' ingress 0.9 is higher, its client 0.89 is not
+    assert ab.checks(peers)["ours_hit_rate_at_least_rsl_kv"] is False
     assert c["ours_ttft_p90_lowest"] is False and "ours_hit_rate_at_least_ray_prefix" not in c
     pols["pow2"]["failures"] = 2
     pols["round_robin"] = {"error": "deploy failed"}

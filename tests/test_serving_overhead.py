@@ -189,8 +189,9 @@ def test_ray_serve_llm_kv_router_tokenizer_imports_on_the_pinned_vllm():
 
     without = run(None)
     assert without.returncode != 0 and "No module named 'vllm.entrypoints.chat_utils'" in without.stderr
-    llm = serve_rsl.llm_config({"model": "m", "served_model_name": "m", "engine": {
-        "block_size": 32, "max_model_len": 64, "gpu_memory_utilization": 0.1, "max_num_seqs": 1}})
-    with_compat = run(llm["runtime_env"]["env_vars"]["PYTHONPATH"])
+    args = so.app_config(so.REPO / "serve_config.yaml", 18999, app_kind="ray-serve-llm")["applications"][0]["args"]
+    compat, rest = serve_rsl.llm_config(args)["runtime_env"]["env_vars"]["PYTHONPATH"].split(":", 1)
+    assert rest == "${PYTHONPATH}"  # Ray puts the cluster's own after it
+    with_compat = run(compat)
     assert with_compat.returncode == 0, with_compat.stderr[-2000:]
     assert with_compat.stdout.strip().splitlines()[-1] == "same True"

@@ -121,6 +121,13 @@ def _dispatcher(inbox):
     return Dispatcher(engine=None, timeout_s=60, inbox=inbox)
 
 
+def _returned_call() -> _Call:
+    """A call (on the running loop) that has returned, with no item of its own."""
+    call_gen = CallStandIn()
+    call_gen.release.set()
+    return _Call(call_gen, asyncio.get_running_loop().time() + 60)
+
+
 def test_items_sent_before_the_call_returned_are_read_though_they_arrive_after_it():
     """The engine sends its last items, then its call returns: the return may reach the ingress
     first. The stream still ends with every item, in order."""
@@ -128,11 +135,8 @@ def test_items_sent_before_the_call_returned_are_read_though_they_arrive_after_i
         inbox, outbox = StreamInbox("127.0.0.1"), StreamOutbox()
         try:
             box = inbox.open("k")
-            call_gen = CallStandIn()
-            call_gen.release.set()  # the call has returned before any item came
-            call = _Call(call_gen, asyncio.get_running_loop().time() + 60)
-            d = _dispatcher(inbox)
-            reader = d._channel_items(call, box)
+            call = _returned_call()  # the call has returned before any item came
+            reader = _dispatcher(inbox)._channel_items(call, box)
             send = outbox.sender(inbox.address, "k")
 
             async def late():
@@ -215,9 +219,7 @@ def test_a_call_that_returned_without_its_streams_end_fails_after_the_wait(monke
     async def run():
         inbox = StreamInbox("127.0.0.1")
         try:
-            call_gen = CallStandIn()
-            call_gen.release.set()
-            call = _Call(call_gen, asyncio.get_running_loop().time() + 60)
+            call = _returned_call()
             reader = _dispatcher(inbox)._channel_items(call, inbox.open("k"))
             with pytest.raises(RuntimeError, match="without the end of its stream"):
                 await anext(reader)
@@ -241,9 +243,7 @@ def test_items_whose_wake_up_the_reader_missed_are_read_when_the_wait_ends(monke
         try:
             box = inbox.open("k")
             asyncio.get_running_loop().remove_reader(inbox._sock.fileno())  # no wake-up from now on
-            call_gen = CallStandIn()
-            call_gen.release.set()  # the call has returned
-            call = _Call(call_gen, asyncio.get_running_loop().time() + 60)
+            call = _returned_call()
             send = outbox.sender(inbox.address, "k")
             for item in ITEMS:
                 send(item)

@@ -66,6 +66,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from app.config import AppArgs
 from bench.ab.common import LOOPBACK, REPO, log
 from bench.ab.deploy import (
     OURS_CLASS,
@@ -114,8 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-requests", type=int, default=8)
     p.add_argument("--num-cpus", type=float, default=3.0,
                    help="logical CPUs of the local Ray cluster: they place actors, they do not add cores. "
-                        "3 leaves room for the Ray Serve LLM apps' actors (rsl_prefix's prefix-tree actor asks "
-                        "for a whole CPU beside two engines of 0.75: its requests wait for it forever on 2)")
+                        "3 leaves room for the Ray Serve LLM apps' actors on the default config (rsl_prefix's "
+                        "prefix-tree actor asks for a whole CPU beside two engines of 0.5 + 0.25: its requests "
+                        "wait for it forever on 2)")
     p.add_argument("--address", default=None, help="an existing Ray cluster (e.g. auto) instead of a local one")
     p.add_argument("--locust-arg", action="append", default=[],
                    help="extra Locust argument, repeatable (e.g. --locust-arg=--sp-zipf=0.8)")
@@ -205,14 +207,19 @@ def _workload_args(args: argparse.Namespace, base_entry: dict[str, Any], locustf
     if locustfile.stem == W.SharedPrefix.name and args.prompts == "text" and arg_value(given, text_flag) is None:
         extra.append(f"{text_flag}=true")
     text = W.SHARED_PREFIX_TEXT.parse(arg_value(given + extra, text_flag) or False)
-    per_word = text_tokens_per_word(_in_repo(base_entry["args"]["model"]), args.seed) if text else 1.0
+    system_given = arg_value(given, W.by_field(W.SharedPrefix.options, "system_tokens").flag) is not None
+    per_word = text_tokens_per_word(AppArgs.model_validate(base_entry["args"]).resolved_model(), args.seed) \
+        if text else 1.0
+    # Sized in tokens: the config's lengths (the text below comes to them), or the words given, in tokens.
+    sizing = size_workload(base_entry, locustfile, given, args.working_set_factor,
+                           per_word if text and system_given else 1.0)
     if text:  # as many tokens as the token-id prompts: the lengths the config gives, in words
         for field in ("system_tokens", "question_tokens"):
             o = W.by_field(W.SharedPrefix.options, field)
             if arg_value(given, o.flag) is None:
                 low, high = (max(1, int(n / per_word)) for n in W.parse_range(o.default))
                 extra.append(f"{o.flag}={low}" if low == high else f"{o.flag}={low}-{high}")
-    workload_args = extra + size_workload(base_entry, locustfile, given + extra, args.working_set_factor, per_word)
+    workload_args = extra + sizing
     think = W.COMMON["think_time"].flag
     if arg_value(given, think) is None:
         workload_args.append(f"{think}={args.think_time:g}")

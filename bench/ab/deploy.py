@@ -14,6 +14,7 @@ from typing import Any, cast
 from ray.serve.config import RequestRouterConfig
 
 from bench.ab.common import LOOPBACK, log
+from bench.serve_rsl import DIRECT_STREAMING
 from infra import ray_env
 
 ROUTERS: dict[str, str | None] = {
@@ -30,7 +31,7 @@ RSL_ROUTERS: dict[str, str] = {
 }
 ROUTERS.update(RSL_ROUTERS)
 RSL_IMPORT_PATH = "bench.serve_rsl:build"
-RSL_ENV = {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1"}
+RSL_ENV = {DIRECT_STREAMING: "1"}
 """Ray Serve LLM's direct streaming (its docs: user-guides/direct-streaming), on HAProxy (``infra.ray_env``)."""
 RSL_DIRECT = frozenset({"rsl_kv"})
 """The Ray Serve LLM routers run with direct streaming (``RSL_ENV``). Its prefix-tree router runs in
@@ -122,7 +123,7 @@ def ready_paths(router: str) -> tuple[str, ...]:
     return ("/v1/models",) if router in RSL_ROUTERS else ("/health", "/v1/models")
 
 
-def wait_ready(name: str, base_url: str, timeout_s: float, paths: tuple[str, ...] = ("/health", "/v1/models")) -> None:
+def wait_ready(name: str, base_url: str, timeout_s: float, paths: tuple[str, ...] = ready_paths("ours")) -> None:
     """Until the app is RUNNING and answers 200 to ``GET`` of each of ``paths``."""
     import httpx
     from ray import serve

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import random
 import signal
@@ -68,16 +69,21 @@ def kv_capacity(entry: dict[str, Any]) -> int | None:
     return int(blocks) * int(engine.get("block_size", 16)) if blocks else None
 
 
-def text_tokens_per_word(model_dir: Path, seed: int = 0, n: int = 4096) -> float:
+def text_tokens_per_word(model: Path | str, seed: int = 0, n: int = 4096) -> float:
     """Tokens per word of ``workloads.SharedPrefixText``'s prompts under the model's tokenizer
-    (``<model_dir>/tokenizer.json``): ``n`` token ids drawn as the workload draws them, written as
-    its words, tokenized as the engine tokenizes a text prompt (1.41 on the tiny default model)."""
+    (``<model>/tokenizer.json`` for a local folder, else the hub id's through transformers): ``n``
+    token ids drawn as the workload draws them, written as its words, tokenized as the engine
+    tokenizes a text prompt (1.41 on the tiny default model)."""
     from tokenizers import Tokenizer
 
     rng = random.Random(f"words:{seed}")
-    text = " ".join(W.WORDS[t % len(W.WORDS)] for t in W.token_ids(rng, n))
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    return len(tokenizer.encode(text, add_special_tokens=False).ids) / n
+    text = W.ids_as_text(W.token_ids(rng, n))
+    local = Path(model) / "tokenizer.json"
+    if local.exists():
+        return len(Tokenizer.from_file(str(local)).encode(text, add_special_tokens=False).ids) / n
+    from transformers import AutoTokenizer  # a hub id (the 4090 configs): its tokenizer, as vLLM loads it
+
+    return len(AutoTokenizer.from_pretrained(str(model)).encode(text, add_special_tokens=False)) / n
 
 
 def size_workload(base_entry: dict[str, Any], locustfile: Path, locust_args: list[str], factor: float,
@@ -102,8 +108,7 @@ def size_workload(base_entry: dict[str, Any], locustfile: Path, locust_args: lis
         return []
     system_tokens = system.parse(arg_value(locust_args, system.flag) or system.default) * tokens_per_word
     capacity = int(blocks) * int(engine.get("block_size", 16))
-    # The nearest count: text prompts come to a few tokens under their token-id length (whole words).
-    return [f"{groups.flag}={max(2, round(factor * capacity / system_tokens))}"]
+    return [f"{groups.flag}={max(2, math.ceil(factor * capacity / system_tokens))}"]
 
 
 @dataclass

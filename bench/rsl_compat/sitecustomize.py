@@ -30,10 +30,12 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(fullname, self) if fullname in MOVED else None
 
     def create_module(self, spec: Any) -> Any:
-        return importlib.import_module(MOVED[spec.name])
+        return None  # the default: an empty module, replaced below
 
     def exec_module(self, module: Any) -> None:
-        pass  # create_module gave the loaded module
+        # The import returns what sys.modules holds under the name once this returns: the moved
+        # module itself, whose own name and spec stay as they are.
+        sys.modules[module.__name__] = importlib.import_module(MOVED[module.__name__])
 
 
 if not any(isinstance(f, MovedModules) for f in sys.meta_path):
