@@ -71,7 +71,7 @@ def kv_capacity(entry: dict[str, Any]) -> int | None:
 
 def text_tokens_per_word(model: Path | str, seed: int = 0, n: int = 4096) -> float:
     """Tokens per word of ``workloads.SharedPrefixText``'s prompts under the model's tokenizer
-    (``<model>/tokenizer.json`` for a local folder, else the hub id's through transformers): ``n``
+    (``<model>/tokenizer.json`` for a local folder, else the hub id's ``tokenizer.json``): ``n``
     token ids drawn as the workload draws them, written as its words, tokenized as the engine
     tokenizes a text prompt (1.41 on the tiny default model)."""
     from tokenizers import Tokenizer
@@ -79,11 +79,9 @@ def text_tokens_per_word(model: Path | str, seed: int = 0, n: int = 4096) -> flo
     rng = random.Random(f"words:{seed}")
     text = W.ids_as_text(W.token_ids(rng, n))
     local = Path(model) / "tokenizer.json"
-    if local.exists():
-        return len(Tokenizer.from_file(str(local)).encode(text, add_special_tokens=False).ids) / n
-    from transformers import AutoTokenizer  # a hub id (the 4090 configs): its tokenizer, as vLLM loads it
-
-    return len(AutoTokenizer.from_pretrained(str(model)).encode(text, add_special_tokens=False)) / n
+    # A hub id (the 4090 configs): its tokenizer.json from the hub.
+    tokenizer = Tokenizer.from_file(str(local)) if local.exists() else Tokenizer.from_pretrained(str(model))
+    return len(tokenizer.encode(text, add_special_tokens=False).ids) / n
 
 
 def size_workload(base_entry: dict[str, Any], locustfile: Path, locust_args: list[str], factor: float,
