@@ -29,10 +29,10 @@ from ray.serve import Application
 
 REPO = Path(__file__).resolve().parents[1]
 COMPAT = REPO / "bench" / "rsl_compat"
-DIRECT_STREAMING = "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING"
-"""Ray Serve LLM's switch for direct streaming (``ray/llm/_internal/serve/constants.py``)."""
 """On the ``PYTHONPATH`` of the app's processes: its ``sitecustomize`` maps the one vLLM module Ray
 2.60's KV-aware tokenizer looks for at its old path (see that file)."""
+DIRECT_STREAMING = "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING"
+"""Ray Serve LLM's switch for direct streaming (``ray/llm/_internal/serve/constants.py``)."""
 
 
 def llm_config(args: dict[str, Any]) -> dict[str, Any]:
