@@ -422,6 +422,10 @@ class VLLMEngine:
         # while its stream runs (a reset across this generator's yields could run in another context).
         request_probe.CURRENT.set(probe)
         try:
+            # A stream's items go straight to the ingress (app.stream_channel): its connection first, so an
+            # ingress that is gone fails the call before the engine does any work for it.
+            send = None if request.stream_to is None else await self.outbox.sender(request.stream_to,
+                                                                                    request.route_id)
             try:
                 result = await create(request.vllm_request())
             except Exception as e:  # noqa: BLE001 - this replica's boundary: vLLM's server maps every error so
@@ -429,14 +433,13 @@ class VLLMEngine:
             if not hasattr(result, "__aiter__"):  # a response model or an ErrorResponse: the whole answer
                 yield self._summary(probe, result)
                 return
-            if request.stream_to is None:
+            if send is None:
                 async for item in self._stream(probe, result):
                     yield item
                 return
-            # The stream's items go straight to the ingress (app.stream_channel); this call ends with it.
-            send = self.outbox.sender(request.stream_to, request.route_id)
-            async for item in self._stream(probe, result):
+            async for item in self._stream(probe, result):  # this call ends with the stream
                 send(item)
+            send.flush()  # the stream's last items leave before this call returns
         finally:
             s = probe.summary
             span.set_attributes({

@@ -177,9 +177,8 @@ class Dispatcher:
                 try:
                     item = await (box.get() if not ended else asyncio.wait_for(box.get(), LATE_ITEMS_S))
                 except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
-                    # Read the socket once more before failing: an item that came as the wait ended (the
-                    # timeout ran first in that turn of the loop) or whose wake-up the reader missed.
-                    self.inbox.poll()  # type: ignore[union-attr]
+                    # Look once more before failing: an item that came as the wait ended (the timeout
+                    # ran first in that turn of the loop).
                     late = box.get_nowait()
                     if late is None:  # engine_failure logs the error; this says which stream
                         logger.warning("stream %s: its engine call returned and no item came for %.1f s",
