@@ -64,10 +64,15 @@ import msgspec
 from app.protocol import Accepted, EngineSummary, FirstOutput, StreamError
 
 logger = logging.getLogger("prefix_serve.stream_channel")
-MAX_BUFFERED = 256 * 1024 * 1024
+MAX_BUFFERED = 16 * 1024 * 1024
 """Bytes an engine replica holds for one ingress that does not read them before it drops that
-connection (``ChannelClosed``): far above what live streams hold in flight; reached only by an
-ingress that stopped reading."""
+connection (``ChannelClosed``): some 100,000 tokens' events, far above what live streams hold in
+flight; reached only by an ingress that stopped reading."""
+
+USER_TIMEOUT_MS = 30_000
+"""Longest time written bytes may go unacknowledged before the engine replica's kernel drops the
+connection (``TCP_USER_TIMEOUT``): an ingress whose host died or was cut off fails its streams then,
+not after TCP's retransmissions give up (about 15 minutes)."""
 
 MAX_RECORD = 64 * 1024 * 1024
 """The longest record an inbox takes (an item is a token's SSE event or a stream's end): a longer
@@ -90,7 +95,8 @@ _decoders: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
 
 
 class ChannelClosed(RuntimeError):
-    """The ingress of a stream stopped reading (its socket queue is full): the stream cannot go on."""
+    """The connection to a stream's ingress cannot carry it: it could not be opened, it closed, or the
+    ingress stopped reading (``MAX_BUFFERED``). The stream cannot go on."""
 
 
 def encode(item: Any) -> tuple[bytes, bytes]:
@@ -189,7 +195,7 @@ class StreamInbox:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._server = asyncio.ensure_future(
-                self._loop.create_server(lambda: _InboxConnection(self), sock=self._listener))
+                self._loop.create_server(lambda: _InboxConnection(self), sock=self._listener, backlog=1024))
         box = self._boxes[key.encode()] = Mailbox(key.encode())
         return box
 
@@ -303,10 +309,12 @@ class _OutboxConnection(asyncio.Protocol):
 
 class StreamSender:
     """Sends the items of one call to one ingress (``StreamOutbox.sender``): calling it queues one item,
-    written with the others of this turn of the loop; ``flush`` writes what is queued now.
+    written with the others of this turn of the loop; ``flush`` writes what is queued now (into the
+    connection's transport, which sends it as the socket takes it).
 
     Both raise ``ChannelClosed`` when the connection to that ingress can carry nothing more (an item
-    of this call may be lost), and a call raises ``TypeError`` for an item that is not a stream item."""
+    of this call may be lost); a call raises ``TypeError`` for an item that is not a stream item and
+    ``ValueError`` for one over ``MAX_RECORD``."""
 
     __slots__ = ("_outbox", "_route", "_head")
 
@@ -319,6 +327,8 @@ class StreamSender:
         if route.lost is not None:
             raise ChannelClosed(route.lost)
         size = len(self._head) + 1 + len(payload)
+        if size > MAX_RECORD:  # the inbox would drop the connection, and every stream on it
+            raise ValueError(f"a stream item of {size} bytes (MAX_RECORD {MAX_RECORD})")
         route.records.append(b"".join((size.to_bytes(_LEN, "little"), self._head, kind, payload)))
         if len(route.records) >= FLUSH_RECORDS:
             self._outbox.flush(route)
@@ -371,16 +381,19 @@ class StreamOutbox:
         return StreamSender(self, route, bytes((len(k),)) + k)
 
     async def _connect(self, route: _Route, host: str, port: int) -> None:
+        """Open ``route``'s connection; on any failure mark it lost (``sender`` then opens a new one)."""
         loop = asyncio.get_running_loop()
         try:
             transport, _ = await asyncio.wait_for(
                 loop.create_connection(lambda: _OutboxConnection(route), host, port), CONNECT_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError) as e:
-            route.lost = f"cannot connect to the ingress at {route.address}: {e}"
+            sock = transport.get_extra_info("socket")  # TCP_NODELAY is the transports' default
+            if sock is not None and hasattr(socket, "TCP_USER_TIMEOUT"):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
+        except BaseException as e:
+            route.lost = f"cannot connect to the ingress at {route.address}: {e!r}"
+            if not isinstance(e, Exception):
+                raise
             return
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a token is sent as it comes
         route.transport = transport
 
     def flush(self, route: _Route) -> None:
@@ -393,20 +406,24 @@ class StreamOutbox:
         transport = route.transport
         if route.lost is not None or transport is None:
             return
+        if transport.is_closing():  # closed by the peer, its connection_lost not run yet: a write is dropped
+            route.lost = f"the connection to the ingress at {route.address} closed"
+            return
         transport.write(b"".join(records))
         if transport.get_write_buffer_size() > self._max_buffered:
             route.lost = f"the ingress at {route.address} is not reading its streams"
             transport.abort()
 
     def close(self) -> None:
-        """Drop every connection (the replica's shutdown); from any thread: done on the connections' loop."""
-        routes, self._routes = list(self._routes.values()), {}
-
+        """Close every connection once what it holds is sent (the replica's shutdown, after the drain);
+        from any thread: done on the connections' loop."""
         def shut() -> None:
+            routes, self._routes = list(self._routes.values()), {}
             for route in routes:
+                self.flush(route)
                 route.lost = route.lost or "the engine replica is shutting down"
                 if route.transport is not None:
-                    route.transport.abort()
+                    route.transport.close()
 
         _on_loop(self._loop, shut)
 

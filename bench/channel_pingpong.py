@@ -9,7 +9,7 @@ process's CPU time (all its threads: ZMQ's I/O thread included).
 
     python -m bench.channel_pingpong [--rounds 5000] [--size 100] [--repeat 2]
 
-Ports 15555-15558 on 127.0.0.1 must be free. One run on a shared machine: read the ratio.
+Two free ports on 127.0.0.1 are taken for each run. One run on a shared machine: read the ratio.
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ import argparse
 import asyncio
 import json
 import resource
+import socket
 import subprocess
 import sys
 import time
 from typing import Any
-
-PORTS = {"zmq": (15555, 15556), "tcp": (15557, 15558)}
 
 
 def _cpu_s() -> float:
@@ -31,12 +30,12 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-async def _zmq_side(role: str, rounds: int, size: int) -> dict[str, float]:
+async def _zmq_side(role: str, rounds: int, size: int, ports: tuple[int, int]) -> dict[str, float]:
     import zmq
 
     ctx: zmq.Context = zmq.Context.instance()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    mine, theirs = PORTS["zmq"] if role == "a" else PORTS["zmq"][::-1]
+    mine, theirs = ports if role == "a" else ports[::-1]
     pull.bind(f"tcp://127.0.0.1:{mine}")
     push.connect(f"tcp://127.0.0.1:{theirs}")
     loop = asyncio.get_running_loop()
@@ -63,14 +62,20 @@ class _Reader(asyncio.Protocol):
         self.inbox.put_nowait(data)
 
 
-async def _tcp_side(role: str, rounds: int, size: int) -> dict[str, float]:
+async def _tcp_side(role: str, rounds: int, size: int, ports: tuple[int, int]) -> dict[str, float]:
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue[bytes] = asyncio.Queue()
-    mine, theirs = PORTS["tcp"] if role == "a" else PORTS["tcp"][::-1]
+    mine, theirs = ports if role == "a" else ports[::-1]
     await loop.create_server(lambda: _Reader(inbox), "127.0.0.1", mine)
-    await asyncio.sleep(0.5)  # the other side listens
-    transport, _ = await loop.create_connection(lambda: _Reader(asyncio.Queue()), "127.0.0.1", theirs)
-    await asyncio.sleep(0.5)
+    for _ in range(100):  # until the other side listens (10 s at most)
+        try:
+            transport, _ = await loop.create_connection(lambda: _Reader(asyncio.Queue()), "127.0.0.1", theirs)
+            break
+        except OSError:
+            await asyncio.sleep(0.1)
+    else:
+        raise RuntimeError(f"nothing listens on 127.0.0.1:{theirs}")
+    await asyncio.sleep(0.5)  # the other side connected too
     msg = b"x" * size
     return await _rounds(role, rounds, lambda: transport.write(msg), inbox, None)
 
@@ -90,21 +95,42 @@ async def _rounds(role: str, rounds: int, send: Any, inbox: asyncio.Queue[bytes]
     return {"rtt_us": wall / rounds * 1e6, "cpu_us_per_round": cpu / rounds * 1e6}
 
 
-def _side(mode: str, role: str, rounds: int, size: int) -> None:
+def _side(mode: str, role: str, rounds: int, size: int, ports: tuple[int, int]) -> None:
     import uvloop
 
     uvloop.install()
     side = _zmq_side if mode == "zmq" else _tcp_side
-    print(json.dumps(asyncio.run(side(role, rounds, size))), flush=True)
+    print(json.dumps(asyncio.run(side(role, rounds, size, ports))), flush=True)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def run(mode: str, rounds: int, size: int) -> dict[str, float]:
-    """One ping-pong of ``rounds`` round trips: ``rtt_us`` and ``cpu_us_per_round`` of each side."""
-    cmd = [sys.executable, "-m", "bench.channel_pingpong", "--rounds", str(rounds), "--size", str(size), "--side", mode]
+    """One ping-pong of ``rounds`` round trips: ``rtt_us`` and ``cpu_us_per_round`` of each side.
+
+    Raises:
+        subprocess.CalledProcessError, subprocess.TimeoutExpired: a side failed or hung (both are stopped).
+    """
+    p1, p2 = _free_ports(2)
+    cmd = [sys.executable, "-m", "bench.channel_pingpong", "--rounds", str(rounds), "--size", str(size),
+           "--ports", str(p1), str(p2), "--side", mode]
     b = subprocess.Popen([*cmd, "b"], stdout=subprocess.PIPE, text=True)
-    time.sleep(0.2)
-    a = subprocess.run([*cmd, "a"], stdout=subprocess.PIPE, text=True, check=True, timeout=120)
-    out_b, _ = b.communicate(timeout=120)
+    try:
+        a = subprocess.run([*cmd, "a"], stdout=subprocess.PIPE, text=True, check=True, timeout=120)
+        out_b, _ = b.communicate(timeout=120)
+    finally:
+        if b.poll() is None:
+            b.kill()
+            b.wait()
     ra, rb = json.loads(a.stdout), json.loads(out_b)
     return {"rtt_us": ra["rtt_us"], "cpu_us_a": ra["cpu_us_per_round"], "cpu_us_b": rb["cpu_us_per_round"]}
 
@@ -114,10 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5000)
     ap.add_argument("--size", type=int, default=100, help="bytes a message")
     ap.add_argument("--repeat", type=int, default=2, help="runs of each, alternating")
+    ap.add_argument("--ports", nargs=2, type=int, help=argparse.SUPPRESS)
     ap.add_argument("--side", nargs=2, metavar=("MODE", "ROLE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.side:
-        _side(args.side[0], args.side[1], args.rounds, args.size)
+        _side(args.side[0], args.side[1], args.rounds, args.size, tuple(args.ports))
         return 0
     print(f"{'':5s} {'round trip (µs)':>16s} {'CPU a (µs)':>11s} {'CPU b (µs)':>11s}")
     for i in range(args.repeat):

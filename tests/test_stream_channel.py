@@ -174,8 +174,14 @@ def test_an_ingress_that_stops_reading_fails_every_call_on_its_connection():
                 pytest.fail("the connection never filled")
             with pytest.raises(ChannelClosed):
                 b(chunk)
-            c = await outbox.sender(address, "c")
+            c = await outbox.sender(address, "c")  # a connection of its own: the lost one is not reused
             c(ITEMS[0])
+            c.flush()
+            with pytest.raises(ChannelClosed):
+                a(ITEMS[0])  # the old senders stay on the lost connection
+            with pytest.raises(ValueError):  # an item the inbox would refuse fails its own call only
+                c("x" * (stream_channel.MAX_RECORD + 1))
+            c(ITEMS[1])
         finally:
             outbox.close()
             listener.close()

@@ -26,11 +26,12 @@ groups and has the relay follow the one that decides a prefix hit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from ray import serve
@@ -398,7 +399,8 @@ class VLLMEngine:
         output comes as ``FirstOutput``, the last as ``EngineSummary``, an error
         event as ``StreamError`` (``app.protocol``). A stream whose request names
         ``stream_to`` sends its items there (``app.stream_channel``), not through
-        this call; ``ChannelClosed`` (that ingress stopped reading) ends it.
+        this call; ``ChannelClosed`` ends it (that ingress stopped reading or is gone; raised
+        before any work when its connection cannot be opened, and the ingress resends the request).
         """
         from opentelemetry import trace
         from vllm.entrypoints.serve import create_error_response
@@ -437,9 +439,10 @@ class VLLMEngine:
                 async for item in self._stream(probe, result):
                     yield item
                 return
-            async for item in self._stream(probe, result):  # this call ends with the stream
-                send(item)
-            send.flush()  # the stream's last items leave before this call returns
+            async with contextlib.aclosing(self._stream(probe, result)) as items:  # closed: vLLM aborts
+                async for item in items:  # this call ends with the stream
+                    send(item)
+            send.flush()  # the stream's last items are written before this call returns
         finally:
             s = probe.summary
             span.set_attributes({
@@ -451,7 +454,7 @@ class VLLMEngine:
             })
             span.end()
 
-    async def _stream(self, probe: request_probe.RequestProbe, result: Any) -> AsyncIterator[Any]:
+    async def _stream(self, probe: request_probe.RequestProbe, result: Any) -> AsyncGenerator[Any, None]:
         """vLLM's SSE strings, the last one ``"data: [DONE]"`` (in ``EngineSummary``); an error event
         vLLM wrote comes as ``StreamError``, and so does an error its stream raised (vLLM's mapping; its
         ``text`` left for the ingress to write in the request's API). Closing it early (client gone)

@@ -35,13 +35,14 @@ from app import metrics
 from app.errors import OpenAIError
 from app.ingress.results import Failed, from_vllm
 from app.protocol import Accepted, EngineRequest, EngineSummary, FirstOutput
-from app.stream_channel import Mailbox, StreamInbox
+from app.stream_channel import ChannelClosed, Mailbox, StreamInbox
 
 logger = logging.getLogger("prefix_serve.ingress")
 MAX_ATTEMPTS = 3
-RETRYABLE = (RayActorError, ReplicaUnavailableError)
+RETRYABLE = (RayActorError, ReplicaUnavailableError, ChannelClosed)
 """Replica loss: the engine actor died or is unreachable (``ActorDiedError`` and
-``ActorUnavailableError`` are ``RayActorError``s), or Serve's chosen replica is gone."""
+``ActorUnavailableError`` are ``RayActorError``s), Serve's chosen replica is gone, or it cannot
+reach this ingress's stream inbox (``ChannelClosed``: resent elsewhere while nothing was answered)."""
 
 
 def caused_by_replica_loss(e: BaseException | None) -> bool:
