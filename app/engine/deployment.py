@@ -26,12 +26,11 @@ groups and has the relay follow the one that decides a prefix hit
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
@@ -399,8 +398,7 @@ class VLLMEngine:
         output comes as ``FirstOutput``, the last as ``EngineSummary``, an error
         event as ``StreamError`` (``app.protocol``). A stream whose request names
         ``stream_to`` sends its items there (``app.stream_channel``), not through
-        this call; ``ChannelClosed`` ends it (that ingress stopped reading or is gone; raised
-        before any work when its connection cannot be opened, and the ingress resends the request).
+        this call; ``ChannelClosed`` (that ingress stopped reading) ends it.
         """
         from opentelemetry import trace
         from vllm.entrypoints.serve import create_error_response
@@ -424,10 +422,6 @@ class VLLMEngine:
         # while its stream runs (a reset across this generator's yields could run in another context).
         request_probe.CURRENT.set(probe)
         try:
-            # A stream's items go straight to the ingress (app.stream_channel): its connection first, so an
-            # ingress that is gone fails the call before the engine does any work for it.
-            send = None if request.stream_to is None else await self.outbox.sender(request.stream_to,
-                                                                                    request.route_id)
             try:
                 result = await create(request.vllm_request())
             except Exception as e:  # noqa: BLE001 - this replica's boundary: vLLM's server maps every error so
@@ -435,14 +429,14 @@ class VLLMEngine:
             if not hasattr(result, "__aiter__"):  # a response model or an ErrorResponse: the whole answer
                 yield self._summary(probe, result)
                 return
-            if send is None:
+            if request.stream_to is None:
                 async for item in self._stream(probe, result):
                     yield item
                 return
-            async with contextlib.aclosing(self._stream(probe, result)) as items:  # closed: vLLM aborts
-                async for item in items:  # this call ends with the stream
-                    send(item)
-            send.flush()  # the stream's last items are written before this call returns
+            # The stream's items go straight to the ingress (app.stream_channel); this call ends with it.
+            send = self.outbox.sender(request.stream_to, request.route_id)
+            async for item in self._stream(probe, result):
+                send(item)
         finally:
             s = probe.summary
             span.set_attributes({
@@ -454,7 +448,7 @@ class VLLMEngine:
             })
             span.end()
 
-    async def _stream(self, probe: request_probe.RequestProbe, result: Any) -> AsyncGenerator[Any, None]:
+    async def _stream(self, probe: request_probe.RequestProbe, result: Any) -> AsyncIterator[Any]:
         """vLLM's SSE strings, the last one ``"data: [DONE]"`` (in ``EngineSummary``); an error event
         vLLM wrote comes as ``StreamError``, and so does an error its stream raised (vLLM's mapping; its
         ``text`` left for the ingress to write in the request's API). Closing it early (client gone)

@@ -35,14 +35,13 @@ from app import metrics
 from app.errors import OpenAIError
 from app.ingress.results import Failed, from_vllm
 from app.protocol import Accepted, EngineRequest, EngineSummary, FirstOutput
-from app.stream_channel import ChannelClosed, Mailbox, StreamInbox
+from app.stream_channel import Mailbox, StreamInbox
 
 logger = logging.getLogger("prefix_serve.ingress")
 MAX_ATTEMPTS = 3
-RETRYABLE = (RayActorError, ReplicaUnavailableError, ChannelClosed)
+RETRYABLE = (RayActorError, ReplicaUnavailableError)
 """Replica loss: the engine actor died or is unreachable (``ActorDiedError`` and
-``ActorUnavailableError`` are ``RayActorError``s), Serve's chosen replica is gone, or it cannot
-reach this ingress's stream inbox (``ChannelClosed``: resent elsewhere while nothing was answered)."""
+``ActorUnavailableError`` are ``RayActorError``s), or Serve's chosen replica is gone."""
 
 
 def caused_by_replica_loss(e: BaseException | None) -> bool:
@@ -178,8 +177,9 @@ class Dispatcher:
                 try:
                     item = await (box.get() if not ended else asyncio.wait_for(box.get(), LATE_ITEMS_S))
                 except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
-                    # Look once more before failing: an item that came as the wait ended (the timeout
-                    # ran first in that turn of the loop).
+                    # Read the socket once more before failing: an item that came as the wait ended (the
+                    # timeout ran first in that turn of the loop) or whose wake-up the reader missed.
+                    self.inbox.poll()  # type: ignore[union-attr]
                     late = box.get_nowait()
                     if late is None:  # engine_failure logs the error; this says which stream
                         logger.warning("stream %s: its engine call returned and no item came for %.1f s",
