@@ -26,11 +26,12 @@ groups and has the relay follow the one that decides a prefix hit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from ray import serve
@@ -435,8 +436,11 @@ class VLLMEngine:
                 return
             # The stream's items go straight to the ingress (app.stream_channel); this call ends with it.
             send = self.outbox.sender(request.stream_to, request.route_id)
-            async for item in self._stream(probe, result):
-                send(item)
+            # Closed at once if a send fails (ChannelClosed), not when the collector gets to it: closing
+            # vLLM's stream is what aborts the request in the engine.
+            async with contextlib.aclosing(self._stream(probe, result)) as items:
+                async for item in items:
+                    send(item)
         finally:
             s = probe.summary
             span.set_attributes({
@@ -448,7 +452,7 @@ class VLLMEngine:
             })
             span.end()
 
-    async def _stream(self, probe: request_probe.RequestProbe, result: Any) -> AsyncIterator[Any]:
+    async def _stream(self, probe: request_probe.RequestProbe, result: Any) -> AsyncGenerator[Any, None]:
         """vLLM's SSE strings, the last one ``"data: [DONE]"`` (in ``EngineSummary``); an error event
         vLLM wrote comes as ``StreamError``, and so does an error its stream raised (vLLM's mapping; its
         ``text`` left for the ingress to write in the request's API). Closing it early (client gone)
