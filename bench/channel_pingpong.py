@@ -3,7 +3,7 @@
 The stream channel (``app.stream_channel``) carries a streamed answer's items from the engine
 replica's event loop to the ingress's over a ZMQ socket pair read on the loop (``add_reader`` on
 ZMQ's FD, as the inbox does). The alternative measured here is a TCP connection on both loops' own
-transports (tried 2026-12-07; docs/benchmarks.md, "A TCP stream channel, tried"). This runs a
+transports (tried 2026-12-07; docs/benchmarks.md, "A TCP stream channel, tried and not kept"). This runs a
 ping-pong of ``--size``-byte messages between two processes, each side on ``uvloop`` (the replicas'
 loop), and prints, per round trip, the wall time and each process's CPU time (all its threads:
 ZMQ's I/O thread included).
