@@ -33,6 +33,18 @@ and drawn in ``<out>/serving_overhead.png``:
 - the ratios the serving path is held to (issue 34): gap <= 1.15x vLLM's, TTFT p50 <=
   vLLM's + 15 ms, requests/s at 8 streams >= 0.85x, CPU per request <= 1.5x.
 
+The load client runs in this process, on the same cores as both servers. Left to the
+kernel's fair share it waits on the run queue behind the servers' busy processes (vLLM's
+engine core and worker busy-poll a core each while requests run): on this 2-core machine
+it waited 60-80 % of each 8-stream block, and the TTFT and requests/s it measured were
+mostly its own scheduling delay (docs/benchmarks.md, "The load client waited"). So the
+measured blocks run with the client at ``SCHED_FIFO`` priority 1 (``--client-sched
+fifo``, the default; root or ``CAP_SYS_NICE``, else it says so and runs as ``normal``),
+as a client on its own machine would be; the servers, started before, keep the normal
+policy (``SCHED_RESET_ON_FORK`` too). Each block records the client's run-queue wait
+(``/proc/thread-self/schedstat``) as a share of its wall time: read a run whose share is
+not near 0 as a measure of the client, not the servers.
+
 Loopback only; Linux. Absolute numbers drift with the machine (2x from hour to hour on a
 shared one): compare the ratios, which come from one run.
 """
@@ -179,6 +191,31 @@ async def one(client: httpx.AsyncClient, url: str, payload: dict[str, Any]) -> S
     return s
 
 
+def client_sched(mode: str) -> str:
+    """Put this thread (the load client) on ``mode``'s scheduling policy; returns the policy it runs.
+
+    ``fifo``: ``SCHED_FIFO`` priority 1 with ``SCHED_RESET_ON_FORK`` (a process started later runs the
+    normal policy); it needs root or ``CAP_SYS_NICE``, and without them the client stays ``normal``
+    (a warning says so). ``normal``: ``SCHED_OTHER``. The client sleeps on its sockets between chunks
+    (about 5 ms of CPU a request here), so it cannot starve the servers; Linux's real-time throttling
+    (``kernel.sched_rt_runtime_us``) bounds it regardless."""
+    if mode == "fifo":
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(1))
+            return "fifo"
+        except PermissionError:
+            log("warning: SCHED_FIFO needs root or CAP_SYS_NICE; the load client runs on the normal policy "
+                "and shares the cores with the servers (see its run-queue wait in the table)")
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    return "normal"
+
+
+def run_queue_wait_s() -> float:
+    """Seconds this thread has waited on a run queue, runnable but not running (``/proc/thread-self/schedstat``,
+    its second field, ns; Linux's ``schedstats``)."""
+    return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+
+
 async def block(url: str, model: str, n: int, concurrency: int, prompt_tokens: int, max_tokens: int,
                 timeout_s: float) -> tuple[list[Sample], float]:
     """``n`` requests with ``concurrency`` in flight; (samples, wall seconds first send to last end)."""
@@ -308,7 +345,8 @@ class Servers:
 
 # ---------------------------------------------------------------- the run
 
-def summarize(samples: list[Sample], wall_s: float | None, cpu: dict[str, float] | None) -> dict[str, Any]:
+def summarize(samples: list[Sample], wall_s: float | None, cpu: dict[str, float] | None,
+              client_wait_s: float | None = None) -> dict[str, Any]:
     ok = [s for s in samples if s.ok]
     tokens = sum(len(s.token_times) for s in ok)
     gaps = [g for s in ok for g in s.gaps]
@@ -334,17 +372,24 @@ def summarize(samples: list[Sample], wall_s: float | None, cpu: dict[str, float]
         out["cpu_s"] = cpu
         out["cpu_ms_per_request"] = {k: v * 1e3 / max(1, len(ok)) for k, v in cpu.items()}
         out["cpu_ms_per_output_token"] = cpu["total"] * 1e3 / max(1, tokens)
+    if client_wait_s is not None and wall_s:
+        out["client_wait_s"] = client_wait_s
+        out["client_wait_share"] = client_wait_s / wall_s
     return out
 
 
-def _merge(parts: list[tuple[list[Sample], float, dict[str, float]]]) -> tuple[list[Sample], float, dict[str, float]]:
+Block = tuple[list[Sample], float, dict[str, float], float]
+"""One block's samples, wall seconds, CPU seconds by process kind and the client's run-queue wait (s)."""
+
+
+def _merge(parts: list[Block]) -> Block:
     samples = [s for p in parts for s in p[0]]
     wall = sum(p[1] for p in parts)
     cpu: dict[str, float] = {}
     for p in parts:
         for k, v in p[2].items():
             cpu[k] = cpu.get(k, 0.0) + v
-    return samples, wall, cpu
+    return samples, wall, cpu, sum(p[3] for p in parts)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -357,16 +402,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  args.app_kind) as servers:
         model = servers.model
 
-        def go(name: str, n: int, conc: int) -> tuple[list[Sample], float, dict[str, float]]:
+        result["client_sched"] = client_sched(args.client_sched)  # after the servers started: they keep theirs
+        log(f"the load client runs on the {result['client_sched']} scheduling policy")
+
+        def go(name: str, n: int, conc: int) -> Block:
             # vLLM's worker busy-polls its message queue for 1 s after its last step (shm_broadcast's
             # busy_loop_s): on a small machine the other server's spinning worker would slow this one's
             # requests. Each block starts once both have been idle that long.
             time.sleep(args.settle_s)
             pid = servers.procs[name].pid
-            before = tree_cpu(pid, name == APP)
+            before, wait0 = tree_cpu(pid, name == APP), run_queue_wait_s()
             samples, wall = asyncio.run(block(servers.urls[name], model, n, conc, args.prompt_tokens,
                                               args.max_tokens, args.timeout_s))
-            return samples, wall, _delta(tree_cpu(pid, name == APP), before)
+            return samples, wall, _delta(tree_cpu(pid, name == APP), before), run_queue_wait_s() - wait0
 
         log("warm-up, not counted: each server 8 requests one at a time, then at every concurrency")
         for name in (APP, VLLM):  # the first batches of each size are slow on a fresh engine (kernels, caches)
@@ -376,17 +424,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log(f"idle: both servers' CPU over {args.idle_s:g} s with no request")
             result["idle"] = idle_cpu(servers, args.settle_s, args.idle_s)
         log(f"unloaded: {args.unloaded} requests each, one at a time, alternating")
-        unloaded: dict[str, list[Sample]] = {APP: [], VLLM: []}
+        unloaded: dict[str, list[Block]] = {APP: [], VLLM: []}
         for i in range(2 * args.unloaded):
             name = (APP, VLLM)[i % 2]
-            unloaded[name] += go(name, 1, 1)[0]
+            unloaded[name].append(go(name, 1, 1))
             if (i + 1) % 20 == 0:
                 log(f"  {i + 1} / {2 * args.unloaded}")
-        result["unloaded"] = {name: summarize(s, None, None) for name, s in unloaded.items()}
+        result["unloaded"] = {}
+        for name, blocks in unloaded.items():  # no rate or CPU one at a time: the settle pauses are not load
+            samples, wall, _, wait = _merge(blocks)
+            result["unloaded"][name] = summarize(samples, None, None)
+            result["unloaded"][name]["client_wait_share"] = wait / wall if wall else None
         result["loaded"] = {}
         for conc in args.concurrency:
             half = max(1, args.requests // 2)
-            parts: dict[str, list] = {APP: [], VLLM: []}
+            parts: dict[str, list[Block]] = {APP: [], VLLM: []}
             for order in ((APP, VLLM), (VLLM, APP)):
                 for name in order:
                     log(f"{conc} streams: {half} requests to {name}")
@@ -433,6 +485,10 @@ def _f(v: Any, fmt: str = "{:.1f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _pct(share: float | None) -> float | None:
+    return None if share is None else 100 * share
+
+
 def table(result: dict[str, Any]) -> str:
     u, loaded, r = result["unloaded"], result["loaded"], result["ratios"]
     rows = [("", "the app", "vLLM's server", "ratio / delta"),
@@ -440,7 +496,9 @@ def table(result: dict[str, Any]) -> str:
              "+" + _f(r["ttft_p50_delta_ms"]) + " ms"),
             ("TTFT p90 unloaded (ms)", _f(u[APP]["ttft_ms"]["p90"]), _f(u[VLLM]["ttft_ms"]["p90"]), ""),
             ("mean token gap unloaded (ms)", _f(u[APP]["itl_mean_ms"], "{:.2f}"), _f(u[VLLM]["itl_mean_ms"], "{:.2f}"),
-             _f(r["itl_ratio"], "{:.2f}x"))]
+             _f(r["itl_ratio"], "{:.2f}x")),
+            ("client's run-queue wait unloaded, % of wall", _f(_pct(u[APP].get("client_wait_share"))),
+             _f(_pct(u[VLLM].get("client_wait_share"))), f"client: {result.get('client_sched', '-')}")]
     for c, d in loaded.items():
         a, v = d[APP], d[VLLM]
         rows += [(f"{c} streams: requests/s", _f(a.get("requests_per_s"), "{:.2f}"),
@@ -453,7 +511,9 @@ def table(result: dict[str, Any]) -> str:
                   _f(v["cpu_ms_per_request"]["total"]), _f(r["cpu_ratio_by_concurrency"][c], "{:.2f}x")),
                  (f"{c} streams: CPU per output token (ms)", _f(a["cpu_ms_per_output_token"], "{:.2f}"),
                   _f(v["cpu_ms_per_output_token"], "{:.2f}"), ""),
-                 (f"{c} streams: failed", str(a["failed"]), str(v["failed"]), "")]
+                 (f"{c} streams: failed", str(a["failed"]), str(v["failed"]), ""),
+                 (f"{c} streams: client's run-queue wait, % of wall", _f(_pct(a.get("client_wait_share"))),
+                  _f(_pct(v.get("client_wait_share"))), "")]
         hops = ", ".join(f"{k} {x:.1f}" for k, x in sorted(a["cpu_ms_per_request"].items(), key=lambda kv: -kv[1])
                          if k != "total")
         vhops = ", ".join(f"{k} {x:.1f}" for k, x in sorted(v["cpu_ms_per_request"].items(), key=lambda kv: -kv[1])
@@ -545,6 +605,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle-s", type=float, default=1.5,
                     help="idle seconds before each block and each unloaded request (vLLM's worker spins 1 s)")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="one request's limit")
+    ap.add_argument("--client-sched", choices=("fifo", "normal"), default="fifo",
+                    help="the load client's scheduling policy during the measured blocks (fifo: SCHED_FIFO 1, "
+                         "as a client on its own machine; needs root or CAP_SYS_NICE, else normal)")
     args = ap.parse_args(argv)
     run(args)
     return 0

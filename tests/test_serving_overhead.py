@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -195,3 +197,54 @@ def test_ray_serve_llm_kv_router_tokenizer_imports_on_the_pinned_vllm():
     with_compat = run(compat)
     assert with_compat.returncode == 0, with_compat.stderr[-2000:]
     assert with_compat.stdout.strip().splitlines()[-1] == "same True"
+
+
+CLIENT_SCHED_PROBE = """
+import json, os, subprocess, sys
+from bench import serving_overhead as so
+got = so.client_sched(sys.argv[1])
+child = subprocess.run([sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"],
+                       capture_output=True, text=True, check=True)
+print(json.dumps({"got": got, "policy": os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK,
+                  "child": int(child.stdout)}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["fifo", "normal"])
+def test_client_sched_runs_the_client_ahead_and_leaves_processes_it_starts_on_the_normal_policy(mode):
+    """In a process of its own (the policy must not leak into pytest): the thread runs the policy reported, and a
+    process started after it runs SCHED_OTHER (the servers must not inherit the client's priority)."""
+    out = subprocess.run([sys.executable, "-c", CLIENT_SCHED_PROBE, mode], capture_output=True, text=True,
+                         check=True, cwd=so.REPO)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    may_fifo = os.geteuid() == 0  # root here and in CI; without CAP_SYS_NICE the call falls back
+    expected = "fifo" if mode == "fifo" and may_fifo else "normal"
+    assert r["got"] == expected
+    assert r["policy"] == (os.SCHED_FIFO if expected == "fifo" else os.SCHED_OTHER)
+    assert r["child"] == os.SCHED_OTHER
+
+
+def test_run_queue_wait_grows_while_a_spinning_rival_holds_the_core():
+    """Pinned to one core beside a process spinning on it, the thread's run-queue wait rises by a good share of the
+    window (the fair scheduler alternates the two); alone and asleep it barely moves."""
+    probe = ("import os, time; from bench import serving_overhead as so\n"
+             "os.sched_setaffinity(0, {0}); w0 = so.run_queue_wait_s(); t0 = time.time()\n"
+             "while time.time() - t0 < 1.0: pass\n"
+             "print(so.run_queue_wait_s() - w0)")
+    spin = subprocess.Popen([sys.executable, "-c", "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"])
+    try:
+        busy = float(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                                    cwd=so.REPO).stdout)
+    finally:
+        spin.kill(), spin.wait()
+    w0 = so.run_queue_wait_s()
+    time.sleep(0.3)
+    idle = so.run_queue_wait_s() - w0
+    assert busy > 0.2  # about half of the 1 s window, less the rival's start-up
+    assert 0 <= idle < 0.05
+
+
+def test_summarize_gives_the_clients_run_queue_wait_as_a_share_of_the_block():
+    out = so.summarize([sample([0.01, 0.02])], wall_s=4.0, cpu={"total": 0.1}, client_wait_s=1.0)
+    assert out["client_wait_s"] == 1.0 and out["client_wait_share"] == pytest.approx(0.25)
+    assert "client_wait_share" not in so.summarize([sample([0.01])], wall_s=4.0, cpu=None)
