@@ -14,6 +14,6 @@
   (``adapters``, ``home``).
 
 A streamed token's path, in order: ``app.engine.deployment`` (vLLM's SSE string) ->
-``app.stream_channel`` (ZMQ PUSH -> the ingress's PULL) -> ``app.ingress.dispatch`` (the call's
+``app.stream_channel`` (a TCP connection to the ingress's loop) -> ``app.ingress.dispatch`` (the call's
 mailbox) -> ``app.ingress.sse`` (written to the client's socket, through HAProxy).
 """

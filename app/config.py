@@ -612,10 +612,16 @@ class AppArgs(_Strict):
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get HTTP 413")
     warmup: WarmupConfig = Field(default_factory=WarmupConfig,
                                  description="prefixes prefilled before /ready answers 200 (app.ingress.warmup)")
-    stream_transport: Literal["zmq", "ray"] = Field(
-        "zmq", description="how a streamed answer's items go from the engine replica to the ingress: 'zmq', "
-                           "a socket from each engine replica to each ingress (app.stream_channel), or 'ray', "
-                           "through the Serve handle call, item by item")
+    stream_transport: Literal["socket", "ray"] = Field(
+        "socket", description="how a streamed answer's items go from the engine replica to the ingress: "
+                              "'socket', a TCP connection from each engine replica to each ingress "
+                              "(app.stream_channel; 'zmq', its first form's name, means the same), or 'ray', "
+                              "through the Serve handle call, item by item")
+
+    @field_validator("stream_transport", mode="before")
+    @classmethod
+    def _stream_transport_alias(cls, v: Any) -> Any:
+        return "socket" if v == "zmq" else v
 
     @field_validator("model", "tokenizer")
     @classmethod

@@ -1,12 +1,11 @@
 """What one message between two processes costs: a ZMQ PUSH/PULL pair against asyncio's TCP transports.
 
 The stream channel (``app.stream_channel``) carries a streamed answer's items from the engine
-replica's event loop to the ingress's over a ZMQ socket pair read on the loop (``add_reader`` on
-ZMQ's FD, as the inbox does). The alternative measured here is a TCP connection on both loops' own
-transports (tried 2026-12-07; docs/benchmarks.md, "A TCP stream channel, tried and not kept"). This runs a
-ping-pong of ``--size``-byte messages between two processes, each side on ``uvloop`` (the replicas'
-loop), and prints, per round trip, the wall time and each process's CPU time (all its threads:
-ZMQ's I/O thread included).
+replica's event loop to the ingress's. Its first form was a ZMQ socket pair read on the loop
+(``add_reader`` on ZMQ's FD, as the inbox did); it is now a TCP connection on both loops'
+own transports. This runs a ping-pong of ``--size``-byte messages between two processes, each
+side on ``uvloop`` (the replicas' loop), and prints, per round trip, the wall time and each
+process's CPU time (all its threads: ZMQ's I/O thread included).
 
     python -m bench.channel_pingpong [--rounds 5000] [--size 100] [--repeat 2]
 

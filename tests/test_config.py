@@ -576,3 +576,11 @@ def test_4090_clusters_start_ray_with_the_serving_path_settings_on_every_node():
     for command in starts:
         for key, value in want.items():
             assert f"{key}={value} " in command, command
+
+
+def test_stream_transport_takes_socket_ray_and_the_first_forms_name():
+    assert AppArgs().stream_transport == "socket"
+    assert AppArgs(stream_transport="ray").stream_transport == "ray"
+    assert AppArgs(stream_transport="zmq").stream_transport == "socket"  # configs written before the rename
+    with pytest.raises(ValueError):
+        AppArgs(stream_transport="grpc")

@@ -12,6 +12,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 from ray.serve.exceptions import ReplicaUnavailableError
 
 from app.ingress.dispatch import caused_by_replica_loss
+from app.stream_channel import ChannelClosed
 
 
 def _chained(outer: BaseException, cause: BaseException) -> BaseException:
@@ -25,6 +26,9 @@ def _chained(outer: BaseException, cause: BaseException) -> BaseException:
     ReplicaUnavailableError("replica-1"),
     _chained(RuntimeError("handle call failed"), ActorDiedError()),
     RayTaskError("chat", "traceback", ActorDiedError()).as_instanceof_cause(),
+    # An engine replica that cannot open its stream connection to this ingress (app.stream_channel):
+    # resent elsewhere while nothing was answered.
+    RayTaskError("completions", "traceback", ChannelClosed("cannot connect")).as_instanceof_cause(),
 ])
 def test_replica_loss_is_recognised(error):
     assert caused_by_replica_loss(error)

@@ -1,16 +1,17 @@
-"""The stream channel (``app.stream_channel``) over real ZMQ sockets, and the dispatcher's reading of it
+"""The stream channel (``app.stream_channel``) over real TCP sockets, and the dispatcher's reading of it
 (``app.ingress.dispatch.Dispatcher._channel_items``): order, keys, bad frames, a gone ingress, late items."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
-import zmq
 
+import app.stream_channel as stream_channel
 from app.ingress.dispatch import LATE_ITEMS_S, Dispatcher, _Call
 from app.protocol import Accepted, EngineSummary, FirstOutput, StreamError
-from app.stream_channel import ChannelClosed, StreamInbox, StreamOutbox, decode, encode
+from app.stream_channel import ChannelClosed, StreamInbox, StreamOutbox, decode, encode, parse_address
 
 ITEMS = [Accepted("r1"), FirstOutput("r1", 'data: {"a": 1}\n\n'), 'data: {"b": "é"}\n\n',
          StreamError(500, {"error": {"code": 500, "message": "m", "type": "t", "param": None}}, "data: x\n\n"),
@@ -30,8 +31,35 @@ def test_every_item_kind_crosses_as_it_was():
         decode(b"z", b"\xc1")  # not MessagePack
 
 
+def _record(key: bytes, body: bytes) -> bytes:
+    """One record of the wire format, built here from the module doc (not by the code under test):
+    length (4 bytes, little-endian), then the key's length, the key and ``body`` (kind and payload)."""
+    rec = bytes((len(key),)) + key + body
+    return len(rec).to_bytes(4, "little") + rec
+
+
+def _records(data: bytes) -> list[tuple[bytes, object]]:
+    """(key, item) of each record in ``data``, read by the module doc's format."""
+    out, off = [], 0
+    while off < len(data):
+        size = int.from_bytes(data[off:off + 4], "little")
+        rec = data[off + 4:off + 4 + size]
+        off += 4 + size
+        k = rec[1:1 + rec[0]]
+        out.append((k, decode(rec[1 + rec[0]:2 + rec[0]], rec[2 + rec[0]:])))
+    return out
+
+
 async def _read(box, n: int, timeout: float = 5.0) -> list:
     return [await asyncio.wait_for(box.get(), timeout) for _ in range(n)]
+
+
+async def _until(cond, timeout: float = 5.0) -> None:
+    """Turn the loop until ``cond()`` holds (bytes in flight reach their reader)."""
+    end = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < end, "timed out"
+        await asyncio.sleep(0.01)
 
 
 def test_items_reach_their_own_call_in_order_and_strays_are_dropped():
@@ -39,35 +67,59 @@ def test_items_reach_their_own_call_in_order_and_strays_are_dropped():
         inbox, outbox = StreamInbox("127.0.0.1"), StreamOutbox()
         try:
             a, b = inbox.open("call-a"), inbox.open("call-b")
-            send_a, send_b = outbox.sender(inbox.address, "call-a"), outbox.sender(inbox.address, "call-b")
-            send_gone = outbox.sender(inbox.address, "call-gone")  # a call that ended: nobody reads it
-            tokens = [f"data: {i}\n\n" for i in range(2500)]  # past DRAIN_BATCH: read over several turns
+            send_a = await outbox.sender(inbox.address, "call-a")
+            send_b = await outbox.sender(inbox.address, "call-b")
+            send_gone = await outbox.sender(inbox.address, "call-gone")  # a call that ended: nobody reads it
+            # Sent without yielding to the loop: written each FLUSH_RECORDS items, read as they come.
+            tokens = [f"data: {i}\n\n" for i in range(2500)]
             for i, t in enumerate(tokens):
                 send_a(t)
                 send_gone(t)
                 if i % 2:
                     send_b(t)
-            # A frame that is not one of ours, from another socket: dropped, the calls go on.
-            raw = zmq.Context.instance().socket(zmq.PUSH)
-            raw.setsockopt(zmq.LINGER, 0)
-            raw.connect(inbox.address)
-            raw.send(b"\x06call-az\xc1")  # call-a's key, an EngineSummary that is not MessagePack
-            raw.send(b"\x06call-a")  # a key and nothing else
-            raw.send(b"")
+            # Records that are not one of ours, on a connection of their own: dropped, the calls go on.
+            host, port = parse_address(inbox.address)
+            _, raw = await asyncio.open_connection(host, port)
+            raw.write(_record(b"call-a", b"z\xc1"))  # call-a's key, an EngineSummary that is not MessagePack
+            raw.write(_record(b"call-a", b""))  # a key and nothing else
+            raw.write(_record(b"call-a", b"s")[:-3])  # a record cut short by its connection's end
+            await raw.drain()
+            raw.close()
             send_a(ITEMS[-1])
             got_a = await _read(a, 2501)
             got_b = await _read(b, 1250)
-            raw.close(0)
             assert got_a == tokens + [ITEMS[-1]]
             assert got_b == tokens[1::2]
-            assert inbox.dropped == 2500 + 3
+            await _until(lambda: inbox.dropped == 2500 + 3)
             inbox.close_box(a)
             send_a("data: late\n\n")
             send_b("data: on time\n\n")
             assert await _read(b, 1) == ["data: on time\n\n"]
             assert inbox.dropped == 2504
             with pytest.raises(ValueError):
-                outbox.sender(inbox.address, "k" * 256)
+                await outbox.sender(inbox.address, "k" * 256)
+            with pytest.raises(ValueError):
+                await outbox.sender("ipc:///tmp/x", "k")
+        finally:
+            inbox.close()
+            outbox.close()
+
+    asyncio.run(run())
+
+
+def test_a_record_longer_than_any_of_ours_ends_its_connection_only():
+    async def run():
+        inbox, outbox = StreamInbox("127.0.0.1"), StreamOutbox()
+        try:
+            box = inbox.open("k")
+            host, port = parse_address(inbox.address)
+            reader, raw = await asyncio.open_connection(host, port)
+            raw.write((stream_channel.MAX_RECORD + 1).to_bytes(4, "little") + b"\x01k")
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # the inbox closed it
+            assert inbox.dropped == 1
+            send = await outbox.sender(inbox.address, "k")  # other connections go on
+            send(ITEMS[0])
+            assert await _read(box, 1) == [ITEMS[0]]
         finally:
             inbox.close()
             outbox.close()
@@ -76,20 +128,108 @@ def test_items_reach_their_own_call_in_order_and_strays_are_dropped():
 
 
 def test_a_stream_whose_ingress_is_gone_fails_instead_of_blocking():
-    """An ingress that stopped reading: the engine's sends fill the socket's queue, then fail
-    (``ChannelClosed``), which ends the request in the engine; no send ever blocks."""
-    inbox = StreamInbox("127.0.0.1")
-    address = inbox.address
-    inbox.close()
-    outbox = StreamOutbox(sndhwm=10)
-    send = outbox.sender(address, "k")
-    sent = 0
-    with pytest.raises(ChannelClosed):
-        for _ in range(10_000):
-            send("data: x\n\n")
-            sent += 1
-    assert 10 <= sent < 10_000
-    outbox.close()
+    """An ingress that is gone: a new stream cannot connect, and a stream on a connection the ingress
+    closed fails on its next send (``ChannelClosed``), which ends the request in the engine."""
+    async def run():
+        inbox, outbox = StreamInbox("127.0.0.1"), StreamOutbox()
+        try:
+            inbox.open("k")
+            send = await outbox.sender(inbox.address, "k")
+            send(ITEMS[0])
+            send.flush()
+            inbox.close()
+            with pytest.raises(ChannelClosed):
+                for _ in range(500):  # the closing reaches the engine's side within a few turns
+                    send("data: x\n\n")
+                    await asyncio.sleep(0.01)
+            with pytest.raises(ChannelClosed):
+                await outbox.sender(inbox.address, "k2")  # nothing listens there now
+        finally:
+            outbox.close()
+
+    asyncio.run(run())
+
+
+def test_an_ingress_that_stops_reading_fails_every_call_on_its_connection():
+    """Its connection holds the writes up to ``max_buffered`` bytes, then is dropped: every call on it
+    fails (an item of each may be lost), not only the one whose write went past; a new call to the
+    same ingress opens a new connection."""
+    async def run():
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)  # accepts (the kernel does) and never reads
+        address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        outbox = StreamOutbox(max_buffered=64 * 1024)
+        try:
+            a, b = await outbox.sender(address, "a"), await outbox.sender(address, "b")
+            chunk = "data: " + "x" * 8192 + "\n\n"
+            for _ in range(10_000):  # the socket buffers fill, then the outbox's, then it gives up
+                a(chunk)
+                b(chunk)
+                try:
+                    a.flush()
+                except ChannelClosed:
+                    break
+            else:
+                pytest.fail("the connection never filled")
+            with pytest.raises(ChannelClosed):
+                b(chunk)
+            c = await outbox.sender(address, "c")  # a connection of its own: the lost one is not reused
+            c(ITEMS[0])
+            c.flush()
+            with pytest.raises(ChannelClosed):
+                a(ITEMS[0])  # the old senders stay on the lost connection
+            with pytest.raises(ValueError):  # an item the inbox would refuse fails its own call only
+                c("x" * (stream_channel.MAX_RECORD + 1))
+            c(ITEMS[1])
+        finally:
+            outbox.close()
+            listener.close()
+
+    asyncio.run(run())
+
+
+def test_the_items_of_one_loop_turn_leave_together_and_flush_writes_at_once():
+    """Items of several calls sent in one turn of the loop are written at its end, in the order sent;
+    ``flush`` writes what is held without waiting for the turn's end."""
+    async def run():
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        outbox = StreamOutbox()
+        conn = None
+        try:
+            a, b = await outbox.sender(address, "a"), await outbox.sender(address, "b")
+            conn, _ = listener.accept()
+            conn.setblocking(False)
+            a(ITEMS[0])
+            b("data: 1\n\n")
+            a(ITEMS[1])
+            with pytest.raises(BlockingIOError):
+                conn.recv(65536)  # held until the turn ends
+            conn.settimeout(5)
+            await asyncio.sleep(0)
+            want = _record(b"a", b"".join(encode(ITEMS[0]))) + _record(b"b", b"sdata: 1\n\n") + \
+                _record(b"a", b"".join(encode(ITEMS[1])))
+            got = b""
+            while len(got) < len(want):
+                got += conn.recv(65536)
+            assert _records(got) == [(b"a", ITEMS[0]), (b"b", "data: 1\n\n"), (b"a", ITEMS[1])]
+            b(ITEMS[-1])
+            b.flush()  # at once, the loop never turned
+            want = _record(b"b", b"".join(encode(ITEMS[-1])))
+            got = b""
+            while len(got) < len(want):
+                got += conn.recv(65536)
+            assert _records(got) == [(b"b", ITEMS[-1])]
+        finally:
+            if conn is not None:
+                conn.close()
+            outbox.close()
+            listener.close()
+
+    asyncio.run(run())
 
 
 class CallStandIn:
@@ -137,7 +277,7 @@ def test_items_sent_before_the_call_returned_are_read_though_they_arrive_after_i
             box = inbox.open("k")
             call = _returned_call()  # the call has returned before any item came
             reader = _dispatcher(inbox)._channel_items(call, box)
-            send = outbox.sender(inbox.address, "k")
+            send = await outbox.sender(inbox.address, "k")
 
             async def late():
                 await asyncio.sleep(0.2)
@@ -168,7 +308,7 @@ def test_a_call_that_fails_mid_stream_raises_after_the_items_that_came():
             call_gen = CallStandIn(error=ActorDiedError())
             call = _Call(call_gen, asyncio.get_running_loop().time() + 60)
             reader = _dispatcher(inbox)._channel_items(call, box)
-            send = outbox.sender(inbox.address, "k")
+            send = await outbox.sender(inbox.address, "k")
             for item in ITEMS[:3]:
                 send(item)
             got = [await anext(reader) for _ in range(3)]
@@ -230,31 +370,34 @@ def test_a_call_that_returned_without_its_streams_end_fails_after_the_wait(monke
     asyncio.run(run())
 
 
-def test_items_whose_wake_up_the_reader_missed_are_read_when_the_wait_ends(monkeypatch):
-    """The call returned and its last items sit in the socket, but the reader was never woken for
-    them (here: it is taken off the loop). When the wait for the stream's end runs out, the socket is
-    read once more and the stream ends with every item instead of failing."""
+def test_an_item_that_came_as_the_wait_for_the_end_ran_out_is_read(monkeypatch):
+    """The call returned; the stream's last item reaches its mailbox, but the wait for it lost the race
+    to the timeout (both in one turn of the loop: here the mailbox's wait never wakes). The stream
+    still ends with the item instead of failing."""
     import app.ingress.dispatch as dispatch
+    from app.stream_channel import Mailbox
 
-    monkeypatch.setattr(dispatch, "LATE_ITEMS_S", 0.3)
+    monkeypatch.setattr(dispatch, "LATE_ITEMS_S", 0.2)
+
+    class LateBox(Mailbox):
+        waits = 0
+
+        async def get(self):
+            self.waits += 1
+            if self.waits == 1:  # the call's return
+                return await Mailbox.get(self)
+            self.put(ITEMS[-1])  # the last item comes as this wait starts, and the timeout wins the turn
+            await asyncio.sleep(3600)
 
     async def run():
-        inbox, outbox = StreamInbox("127.0.0.1"), StreamOutbox()
+        inbox = StreamInbox("127.0.0.1")
         try:
-            box = inbox.open("k")
-            asyncio.get_running_loop().remove_reader(inbox._sock.fileno())  # no wake-up from now on
+            box = LateBox(b"k")
             call = _returned_call()
-            send = outbox.sender(inbox.address, "k")
-            for item in ITEMS:
-                send(item)
-            poller = zmq.Poller()  # the items are in the socket before the wait starts
-            poller.register(inbox._sock, zmq.POLLIN)
-            assert poller.poll(10_000)
             got = [item async for item in _dispatcher(inbox)._channel_items(call, box)]
-            assert got == ITEMS
+            assert got == [ITEMS[-1]]
             call.close()
         finally:
             inbox.close()
-            outbox.close()
 
     asyncio.run(run())

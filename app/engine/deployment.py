@@ -399,7 +399,8 @@ class VLLMEngine:
         output comes as ``FirstOutput``, the last as ``EngineSummary``, an error
         event as ``StreamError`` (``app.protocol``). A stream whose request names
         ``stream_to`` sends its items there (``app.stream_channel``), not through
-        this call; ``ChannelClosed`` (that ingress stopped reading) ends it.
+        this call; ``ChannelClosed`` ends it (that ingress stopped reading or is gone; raised
+        before any work when its connection cannot be opened, and the ingress resends the request).
         """
         from opentelemetry import trace
         from vllm.entrypoints.serve import create_error_response
@@ -423,6 +424,10 @@ class VLLMEngine:
         # while its stream runs (a reset across this generator's yields could run in another context).
         request_probe.CURRENT.set(probe)
         try:
+            # A stream's items go straight to the ingress (app.stream_channel): its connection first, so an
+            # ingress that is gone fails the call before the engine does any work for it.
+            send = None if request.stream_to is None else await self.outbox.sender(request.stream_to,
+                                                                                    request.route_id)
             try:
                 result = await create(request.vllm_request())
             except Exception as e:  # noqa: BLE001 - this replica's boundary: vLLM's server maps every error so
@@ -430,17 +435,14 @@ class VLLMEngine:
             if not hasattr(result, "__aiter__"):  # a response model or an ErrorResponse: the whole answer
                 yield self._summary(probe, result)
                 return
-            if request.stream_to is None:
+            if send is None:
                 async for item in self._stream(probe, result):
                     yield item
                 return
-            # The stream's items go straight to the ingress (app.stream_channel); this call ends with it.
-            send = self.outbox.sender(request.stream_to, request.route_id)
-            # Closed at once if a send fails (ChannelClosed), not when the collector gets to it: closing
-            # vLLM's stream is what aborts the request in the engine.
-            async with contextlib.aclosing(self._stream(probe, result)) as items:
-                async for item in items:
+            async with contextlib.aclosing(self._stream(probe, result)) as items:  # closed: vLLM aborts
+                async for item in items:  # this call ends with the stream
                     send(item)
+            send.flush()  # the stream's last items are written before this call returns
         finally:
             s = probe.summary
             span.set_attributes({

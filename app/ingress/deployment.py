@@ -84,7 +84,7 @@ class OpenAIIngress(AdminRoutes):
         ctx = serve.get_replica_context()
         host = node_address.resolve()
         # Streamed answers come to this replica's own socket (app.stream_channel), not item by item over Ray.
-        self.inbox = StreamInbox(host) if self.args.stream_transport == "zmq" else None
+        self.inbox = StreamInbox(host) if self.args.stream_transport == "socket" else None
         self.serving = OpenAIServing(self.args, engine, Renderer(self.args), ctx.app_name, self.inbox)
         tracing.setup_tracing(self.args.tracing, "ingress")
         auth.configure(self.args.api_key_env, PUBLIC_PATHS | (METRICS_PATHS if self.args.metrics_public else set()))

@@ -35,13 +35,14 @@ from app import metrics
 from app.errors import OpenAIError
 from app.ingress.results import Failed, from_vllm
 from app.protocol import Accepted, EngineRequest, EngineSummary, FirstOutput
-from app.stream_channel import Mailbox, StreamInbox
+from app.stream_channel import ChannelClosed, Mailbox, StreamInbox
 
 logger = logging.getLogger("prefix_serve.ingress")
 MAX_ATTEMPTS = 3
-RETRYABLE = (RayActorError, ReplicaUnavailableError)
+RETRYABLE = (RayActorError, ReplicaUnavailableError, ChannelClosed)
 """Replica loss: the engine actor died or is unreachable (``ActorDiedError`` and
-``ActorUnavailableError`` are ``RayActorError``s), or Serve's chosen replica is gone."""
+``ActorUnavailableError`` are ``RayActorError``s), Serve's chosen replica is gone, or it cannot
+reach this ingress's stream inbox (``ChannelClosed``: resent elsewhere while nothing was answered)."""
 
 
 def caused_by_replica_loss(e: BaseException | None) -> bool:
@@ -177,9 +178,8 @@ class Dispatcher:
                 try:
                     item = await (box.get() if not ended else asyncio.wait_for(box.get(), LATE_ITEMS_S))
                 except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
-                    # Read the socket once more before failing: an item that came as the wait ended (the
-                    # timeout ran first in that turn of the loop) or whose wake-up the reader missed.
-                    self.inbox.poll()  # type: ignore[union-attr]
+                    # Look once more before failing: an item that came as the wait ended (the timeout
+                    # ran first in that turn of the loop).
                     late = box.get_nowait()
                     if late is None:  # engine_failure logs the error; this says which stream
                         logger.warning("stream %s: its engine call returned and no item came for %.1f s",
