@@ -34,10 +34,11 @@ and drawn in ``<out>/serving_overhead.png``:
   vLLM's + 15 ms, requests/s at 8 streams >= 0.85x, CPU per request <= 1.5x.
 
 The load client runs in this process, on the same cores as both servers. Left to the
-kernel's fair share it waits on the run queue behind the servers' busy processes (vLLM's
+kernel's fair share it waits on the run queue beside the servers' busy processes (vLLM's
 engine core and worker busy-poll a core each while requests run): on this 2-core machine
-it waited 60-80 % of each 8-stream block, and the TTFT and requests/s it measured were
-mostly its own scheduling delay (docs/benchmarks.md, "The load client waited"). So the
+it waited 60-81 % of each 8-stream block, and the TTFT and requests/s it measured were
+mostly its own scheduling delay (docs/benchmarks.md, "The load client waited; the TCP
+channel measured again"). So the
 measured blocks run with the client at ``SCHED_FIFO`` priority 1 (``--client-sched
 fifo``, the default; root or ``CAP_SYS_NICE``, else it says so and runs as ``normal``),
 as a client on its own machine would be; the servers, started before, keep the normal
