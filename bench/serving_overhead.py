@@ -79,6 +79,7 @@ APP, VLLM = "app", "vllm"
 KINDS = (("ray_gcs", "gcs_server"), ("raylet", "raylet/raylet"), ("haproxy", "haproxy"), ("proxy", "ProxyActor"),
          ("ingress", "OpenAIIngress"), ("ingress", "OpenAiIngress"), ("engine_replica", "VLLMEngine"),
          ("engine_replica", "VLLMInServe"), ("engine_replica", "LLMServer"),
+         ("router", "DirectRouter"), ("router", "LLMRouter"),
          ("engine_core", "VLLM::EngineCore"), ("worker", "VLLM::Worker"),
          ("api_server", "api_server"), ("serve_controller", "ServeController"),
          ("ray_dashboard", "dashboard"), ("ray_dashboard", "DashboardAgent"), ("ray_log_monitor", "log_monitor"))
@@ -238,11 +239,16 @@ async def block(url: str, model: str, n: int, concurrency: int, prompt_tokens: i
 
 APP_KINDS: dict[str, tuple[str | None, str]] = {"prefix-serve": (None, "/ready"),
                                                 "serve-vllm": ("bench.serve_vllm:build", "/health"),
+                                                "serve-direct": ("bench.serve_direct:build", "/health"),
                                                 "ray-serve-llm": ("bench.serve_rsl:build", "/v1/models")}
 """What ``--app-kind`` runs on the app's side: Serve import path (``None``: the config's) and readiness path.
 ``serve-vllm`` is vLLM's own server app in one Serve replica (``bench.serve_vllm``): the floor of any
-Serve-hosted path. ``ray-serve-llm`` is Ray Serve LLM's own OpenAI app (``bench.serve_rsl``): the peer
-this project's users are offered in Ray."""
+Serve-hosted path. ``serve-direct`` is that replica picked per request through HAProxy's router hop by a
+router doing the app's routing work (``bench.serve_direct``): the direct path's cost. ``ray-serve-llm`` is
+Ray Serve LLM's own OpenAI app (``bench.serve_rsl``): the peer this project's users are offered in Ray."""
+
+APP_KIND_ENV: dict[str, dict[str, str]] = {"serve-direct": {"RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}}
+"""The Ray cluster's environment a kind needs (under ``--app-env``, which wins)."""
 
 
 def app_config(base: Path, port: int, overrides: dict[str, Any] | None = None,
@@ -293,7 +299,7 @@ class Servers:
         self.workdir = workdir
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Any] = {}
-        self.app_env = app_env or {}
+        self.app_env = {**APP_KIND_ENV.get(app_kind, {}), **(app_env or {})}
 
     def __enter__(self) -> Servers:
         cfg_path = self.workdir / "serve_config.json"
@@ -599,8 +605,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="app args over the config's, each value YAML (e.g. stream_transport=ray)")
     ap.add_argument("--app-kind", choices=sorted(APP_KINDS), default="prefix-serve",
-                    help="what runs beside vLLM's server: the app, or vLLM's own app in one Serve replica "
-                         "(bench.serve_vllm: what Serve itself costs, the floor of a Serve-hosted path)")
+                    help="what runs beside vLLM's server: the app; vLLM's own app in one Serve replica "
+                         "(serve-vllm: what Serve itself costs, the floor of a Serve-hosted path); that replica "
+                         "behind HAProxy's router hop doing the app's routing work (serve-direct); or Ray Serve "
+                         "LLM's own app (ray-serve-llm)")
     ap.add_argument("--idle-s", type=float, default=10.0,
                     help="seconds both servers' CPU is counted with no request in flight (0: skip)")
     ap.add_argument("--settle-s", type=float, default=1.5,

@@ -248,3 +248,121 @@ def test_summarize_gives_the_clients_run_queue_wait_as_a_share_of_the_block():
     out = so.summarize([sample([0.01, 0.02])], wall_s=4.0, cpu={"total": 0.1}, client_wait_s=1.0)
     assert out["client_wait_s"] == 1.0 and out["client_wait_share"] == pytest.approx(0.25)
     assert "client_wait_share" not in so.summarize([sample([0.01])], wall_s=4.0, cpu=None)
+
+
+def test_the_direct_kind_attaches_its_router_through_serves_hook_and_forwards_the_body(tmp_path):
+    """``--app-kind serve-direct``: the engine replica is the ingress and ``DirectRouter`` its ingress
+    request router (Ray Serve 2.60's internal hook, so this fails if the pinned Ray drops it), with the
+    body forwarded to the router; the routed body's API is read from its fields."""
+    from pathlib import Path
+
+    from bench import serve_direct
+
+    cfg = so.app_config(Path(so.REPO / "serve_config.yaml"), 18999, app_kind="serve-direct")
+    assert cfg["applications"][0]["import_path"] == "bench.serve_direct:build"
+    app = serve_direct.build(cfg["applications"][0]["args"])
+    assert app._bound_deployment.name == "VLLMInServe"
+    assert app._ingress_request_router._bound_deployment.name == "DirectRouter"
+    servers = so.Servers(Path(so.REPO / "serve_config.yaml"), 18999, 18998, tmp_path, app_kind="serve-direct")
+    assert servers.app_env[serve_direct.FORWARD_BODY] == "1"
+    from ray.serve._private import constants
+
+    assert hasattr(constants, serve_direct.FORWARD_BODY)
+    lua = (Path(constants.__file__).parent / "ingress_request_router.lua.tmpl").read_text()
+    assert "/internal/route" in lua and '"replica_id"' in lua  # the contract DirectRouter.route answers
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from app.ingress import prepare
+
+    assert prepare._request_model(serve_direct.request_kind({"messages": []})) is ChatCompletionRequest
+    assert prepare._request_model(serve_direct.request_kind({"prompt": [1, 2]})) is CompletionRequest
+
+
+class FakeEngineHandle:
+    """A fake of Serve's ``DeploymentHandle.choose_replica`` (no Serve runs in this test): it yields one
+    selection whose replica has the fields ``DirectRouter`` reads."""
+
+    def __init__(self):
+        self.replica = SimpleNamespace(replica_id=SimpleNamespace(unique_id="r1",
+                                                                  to_full_id_str=lambda: "SERVE_REPLICA::a#E#r1"),
+                                       routing_stats={}, max_ongoing_requests=256)
+
+    def choose_replica(self, _reserve=True):
+        import contextlib
+
+        assert _reserve is False
+
+        @contextlib.asynccontextmanager
+        async def selection():
+            yield SimpleNamespace(_replica=self.replica)
+
+        return selection()
+
+
+def test_the_direct_router_prepares_each_body_with_the_apps_preparer_and_names_the_replica():
+    """``/internal/route`` of ``bench.serve_direct``: a completion's body is prepared (its ids keyed), a bad
+    or empty body is routed by load and still answered with the replica (a non-200 is HAProxy's 503), and
+    no routing record outlives its answer."""
+    import asyncio
+    from pathlib import Path
+
+    import yaml
+
+    from bench import serve_direct
+
+    args = yaml.safe_load(Path(so.REPO / "serve_config.yaml").read_text())["applications"][0]["args"]
+    router = serve_direct.DirectRouter(FakeEngineHandle(), args)  # the class itself: build makes it Serve's
+
+    async def post(raw: bytes):
+        async def receive():
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        from starlette.requests import Request
+
+        req = Request({"type": "http", "method": "POST", "path": "/internal/route", "headers": []}, receive)
+        response = await router.route(req)
+        return response.status_code, json.loads(response.body)
+
+    good = json.dumps({"model": args["served_model_name"], "prompt": list(range(1, 101)), "max_tokens": 4,
+                       "cache_salt": "t"}).encode()
+    for raw, unprepared in ((good, 0), (b"{not json", 1), (b"", 1), (b'{"prompt": 5}', 2)):
+        assert asyncio.run(post(raw)) == (200, {"replica_id": "SERVE_REPLICA::a#E#r1"})
+        assert router.unprepared == unprepared and not router.state.requests
+    assert router.routed == 4
+    with pytest.raises(ValueError, match="direct_router_work"):
+        serve_direct.DirectRouter(FakeEngineHandle(), {**args, "direct_router_work": "all"})
+
+
+def test_compare_gives_each_groups_range_and_how_many_runs_met_each_target(tmp_path):
+    from bench import serving_overhead_compare as cmp
+
+    def run(path, itl, ttft, rps8, rps32, cpu8, cpu32, loaded=None):
+        path.write_text(json.dumps({"ratios": {
+            "itl_ratio": itl, "ttft_p50_delta_ms": ttft, "rps_ratio": {"8": rps8, "32": rps32},
+            "cpu_ratio_by_concurrency": {"8": cpu8, "32": cpu32}}, **({"loaded": loaded} if loaded else {})}))
+
+    run(tmp_path / "a-1.json", 1.10, 4.0, 0.90, 0.80, 1.20, 1.60)
+    run(tmp_path / "a-2.json", 1.20, 16.0, 0.80, 0.70, 1.40, 1.40)
+    # the serving side: all but vLLM's engine (worker, engine core) and the total; 8 + 2 ms against 5 ms
+    run(tmp_path / "b-1.json", 0.95, 2.0, 0.86, 1.00, 1.00, 1.10, loaded={"8": {
+        "app": {"cpu_ms_per_request": {"total": 50, "worker": 20, "engine_core": 20, "engine_replica": 8,
+                                       "haproxy": 2}},
+        "vllm": {"cpu_ms_per_request": {"total": 40, "worker": 20, "engine_core": 15, "api_server": 5}}}})
+    runs = cmp.load([f"a={tmp_path}/a-*.json", f"b={tmp_path}/b-*.json"])
+    assert [r["rps_8"] for r in runs["a"]] == [0.90, 0.80]
+    rows = cmp.table(runs).splitlines()[1:]  # one per figure, in FIGURES' order; columns a, b
+    by_key = {key: row for (key, _, _), row in zip(cmp.FIGURES, rows, strict=True)}
+    assert "1.10 to 1.20 (1/2 met)" in by_key["itl_ratio"] and "0.95 (1/1 met)" in by_key["itl_ratio"]
+    assert "4.00 to 16.00 (1/2 met)" in by_key["ttft_p50_delta_ms"]
+    assert "0.80 to 0.90 (1/2 met)" in by_key["rps_8"] and "0.86 (1/1 met)" in by_key["rps_8"]
+    assert "0.70 to 0.80" in by_key["rps_32"] and "met" not in by_key["rps_32"]  # no target there
+    assert "1.20 to 1.40 (2/2 met)" in by_key["cpu_8"]
+    assert "1.40 to 1.60 (1/2 met)" in by_key["cpu_32"]  # 1.6 misses 1.5, 1.4 meets it
+    assert by_key["serving_8"].split()[-1] == "2.00" and by_key["serving_32"].split()[-1] == "-"
+    cmp.plot(runs, tmp_path / "cmp.png")
+    assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="matches no file"):
+        cmp.load([f"c={tmp_path}/c-*.json"])
+    with pytest.raises(ValueError, match="LABEL=GLOB"):
+        cmp.load(["nolabel"])
