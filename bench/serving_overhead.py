@@ -480,12 +480,16 @@ def ratios(result: dict[str, Any]) -> dict[str, Any]:
         "cpu_ratio": max((c for c in cpu if c is not None), default=None),
         "cpu_ratio_by_concurrency": dict(zip(loaded, cpu, strict=True)),
     }
-    met = {}
-    for k, target in TARGETS.items():
-        v = out[k]
-        met[k] = None if v is None else (v >= target if k == "rps_ratio_8" else v <= target)
-    out["met"] = met
+    out["met"] = {k: meets(k, out[k]) for k in TARGETS}
     return out
+
+
+def meets(target: str, value: float | None) -> bool | None:
+    """Whether ``value`` meets ``TARGETS[target]`` (requests/s at or above it, the others at or below);
+    ``None`` for no value."""
+    if value is None:
+        return None
+    return value >= TARGETS[target] if target == "rps_ratio_8" else value <= TARGETS[target]
 
 
 def _f(v: Any, fmt: str = "{:.1f}") -> str:

@@ -18,20 +18,20 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.serving_overhead import TARGETS
+from bench.serving_overhead import TARGETS, meets
 
-FIGURES: tuple[tuple[str, str, float | None], ...] = (
-    ("itl_ratio", "token gap, unloaded (x vLLM)", TARGETS["itl_ratio"]),
-    ("ttft_p50_delta_ms", "TTFT p50, unloaded (ms over vLLM)", TARGETS["ttft_p50_delta_ms"]),
-    ("rps_8", "requests/s, 8 streams (x vLLM)", TARGETS["rps_ratio_8"]),
+FIGURES: tuple[tuple[str, str, str | None], ...] = (
+    ("itl_ratio", "token gap, unloaded (x vLLM)", "itl_ratio"),
+    ("ttft_p50_delta_ms", "TTFT p50, unloaded (ms over vLLM)", "ttft_p50_delta_ms"),
+    ("rps_8", "requests/s, 8 streams (x vLLM)", "rps_ratio_8"),
     ("rps_32", "requests/s, 32 streams (x vLLM)", None),
-    ("cpu_8", "CPU per request, 8 streams (x vLLM)", TARGETS["cpu_ratio"]),
-    ("cpu_32", "CPU per request, 32 streams (x vLLM)", TARGETS["cpu_ratio"]),
+    ("cpu_8", "CPU per request, 8 streams (x vLLM)", "cpu_ratio"),
+    ("cpu_32", "CPU per request, 32 streams (x vLLM)", "cpu_ratio"),
     ("serving_8", "serving CPU per request, 8 streams (x vLLM's)", None),
     ("serving_32", "serving CPU per request, 32 streams (x vLLM's)", None),
 )
-"""The figures compared: key, label, target (``None``: none; ``rps_8`` is met at or above its target,
-the others at or below)."""
+"""The figures compared: key, label, and the key in ``bench.serving_overhead.TARGETS`` of the target it is
+judged on (``None``: none; judged by ``bench.serving_overhead.meets``)."""
 
 ENGINE_KINDS = ("worker", "engine_core")
 """The process kinds of vLLM's engine itself (``bench.serving_overhead.KINDS``); every other process of a
@@ -63,12 +63,6 @@ def figures(result: dict[str, Any]) -> dict[str, float | None]:
             "cpu_8": r["cpu_ratio_by_concurrency"].get("8"), "cpu_32": r["cpu_ratio_by_concurrency"].get("32")}
 
 
-def met(key: str, value: float | None, target: float | None) -> bool | None:
-    if value is None or target is None:
-        return None
-    return value >= target if key == "rps_8" else value <= target
-
-
 def load(groups: list[str]) -> dict[str, list[dict[str, float | None]]]:
     """``LABEL=GLOB`` pairs as ``{label: [figures of each run, in path order]}``."""
     out: dict[str, list[dict[str, float | None]]] = {}
@@ -88,12 +82,12 @@ def table(runs: dict[str, list[dict[str, float | None]]]) -> str:
     ``(k/n met)``."""
     rows = [["", *(f"{label} ({len(v)} runs)" for label, v in runs.items())]]
     for key, name, target in FIGURES:
-        row = [name + (f", target {target:g}" if target is not None else "")]
+        row = [name + (f", target {TARGETS[target]:g}" if target is not None else "")]
         for values in runs.values():
             xs = [x for x in (v[key] for v in values) if x is not None]
             cell = "-" if not xs else (f"{min(xs):.2f}" if len(xs) == 1 else f"{min(xs):.2f} to {max(xs):.2f}")
             if target is not None and xs:
-                cell += f" ({sum(bool(met(key, x, target)) for x in xs)}/{len(xs)} met)"
+                cell += f" ({sum(bool(meets(target, x)) for x in xs)}/{len(xs)} met)"
             row.append(cell)
         rows.append(row)
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -114,7 +108,7 @@ def plot(runs: dict[str, list[dict[str, float | None]]], path: Path) -> None:
             xs = [x for x in (v[key] for v in runs[label]) if x is not None]
             ax.scatter([i] * len(xs), xs, s=28, alpha=0.8)
         if target is not None:
-            ax.axhline(target, ls="--", color="grey", lw=1)
+            ax.axhline(TARGETS[target], ls="--", color="grey", lw=1)
         ax.set_xticks(range(len(labels)), labels, rotation=20)
         ax.set_title(name, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
