@@ -106,6 +106,7 @@ class DirectRouter:
                 return JSONResponse({"replica_id": selection._replica.replica_id.to_full_id_str()})
         from app.ingress.prepare import decode
         from app.ingress.results import Failed
+        from app.protocol import EngineRequest
 
         raw = await request.body()
         self.routed += 1
@@ -117,7 +118,7 @@ class DirectRouter:
                 prepared = await self.preparer.prepare(request_kind(body), body)
             except Exception as e:  # noqa: BLE001 - the engine's own app answers the bad body
                 prepared = e
-            if not hasattr(prepared, "prompt_token_ids"):  # not prepared (Failed or an error): by load
+            if not isinstance(prepared, EngineRequest):  # not prepared (Failed or an error): by load
                 self.unprepared += 1
                 if self.unprepared == 1:
                     detail = prepared.body() if isinstance(prepared, Failed) else repr(prepared)
