@@ -34,7 +34,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -87,14 +87,17 @@ class PrefixAffinityRouter(RequestRouter):
     another (seen live after idle spells, with two requests routed at once).
     """
 
+    config_cls: ClassVar[type[RouterConfig]] = RouterConfig
+    """The model ``request_router_kwargs`` are validated with (a subclass may take more keys)."""
+
     def initialize_state(self, **kwargs: Any) -> None:
         self.init_error: str | None = None
         try:
-            self.cfg = RouterConfig.model_validate(kwargs)
+            self.cfg = self.config_cls.model_validate(kwargs)
         except Exception as e:  # noqa: BLE001 - raising here would leave every request hanging in Serve
             self.init_error = f"invalid request_router_kwargs: {e}"
             logger.error("prefix-affinity router cannot start: %s", self.init_error)
-            self.cfg = RouterConfig()
+            self.cfg = self.config_cls.model_construct()
         self.rng = random.Random()
         self.state = self.cfg.router_state(self.rng)
         self.reader = RelayReader(self.state)
@@ -260,8 +263,8 @@ class PrefixAffinityRouter(RequestRouter):
         """``choose_replicas``' ranks (never raises: see the module doc)."""
         try:
             self._on_owner_loop()
-            request = pending_request.args[0] if pending_request is not None and pending_request.args else None
-            if not isinstance(request, EngineRequest):  # health checks, admin methods: least in flight first
+            request = await self._request_of(pending_request) if pending_request is not None else None
+            if request is None:  # health checks, admin methods: least in flight first
                 return [sorted(candidate_replicas, key=lambda r: self.state.inflight(r.replica_id.unique_id))]
             assert pending_request is not None
             if self.init_error is not None:
@@ -287,8 +290,18 @@ class PrefixAffinityRouter(RequestRouter):
             return self._choose(candidate_replicas, pending_request, request)
         except Exception as e:  # never leave a request hanging on a router bug
             logger.exception("prefix-affinity routing failed; falling back to load-only order")
-            request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+            request = self._routed_request(pending_request) if pending_request is not None else None
             return self._fallback(candidate_replicas, pending_request, request, type(e).__name__)
+
+    async def _request_of(self, pending_request: PendingRequest) -> EngineRequest | None:
+        """The request to route by prefix: the ``EngineRequest`` the ingress sends, None for any other call
+        (routed by load). A subclass that routes another app's requests derives it here."""
+        return self._routed_request(pending_request)
+
+    def _routed_request(self, pending_request: PendingRequest) -> EngineRequest | None:
+        """``_request_of``'s answer once it was given (read again when the request is routed)."""
+        request = pending_request.args[0] if pending_request.args else None
+        return request if isinstance(request, EngineRequest) else None
 
     def _route_request(self, request: EngineRequest, block_size: int) -> RouteRequest:
         keys = block_keys(request.prompt_token_ids, block_size, cache_salt=request.cache_salt,
@@ -389,8 +402,8 @@ class PrefixAffinityRouter(RequestRouter):
 
     def _record_routed(self, pending_request: PendingRequest, route_id: str, routed: Routed, now: float) -> None:
         """The routed request's first-token signal, metrics, decision record and routing span."""
-        request = pending_request.args[0] if pending_request.args else None
-        if not isinstance(request, EngineRequest):
+        request = self._routed_request(pending_request)
+        if request is None:
             return
         record = self.state.requests[route_id]
         self.state.signal(request.route_id, route_id)
