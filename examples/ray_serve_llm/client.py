@@ -22,9 +22,11 @@ import uuid
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    parser.add_argument("--model", default="tiny-qwen2")
+    parser = argparse.ArgumentParser(prog="python -m examples.ray_serve_llm.client",
+                                     description=__doc__.split("\n\n")[0].replace("``", "`"),
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the app's OpenAI base URL")
+    parser.add_argument("--model", default="tiny-qwen2", help="the `model` to ask for (the LLMConfig's model_id)")
     parser.add_argument("--app", default="ray-serve-llm", help="the Serve application's name")
     parser.add_argument("--words", type=int, default=600, help="words in the system prompt")
     args = parser.parse_args(argv)
