@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from array import array
 from typing import Any, ClassVar
 
 from ray.serve.request_router import PendingRequest
@@ -86,11 +87,10 @@ class PrefixServeLLMRouter(PrefixAffinityRouter):
         kind = request_kind(pending_request.metadata.call_method)
         if kind is None or body is None:
             return None
-        if self.init_error is not None and self._preparer_error is None:  # bad kwargs: by load, for good
-            return EngineRequest(request_id=pending_request.metadata.request_id, prompt_token_ids=_no_ids())
-        preparer = await self._the_preparer()
-        if preparer is None:  # it could not be built: init_error says why
-            return EngineRequest(request_id=pending_request.metadata.request_id, prompt_token_ids=_no_ids())
+        # Bad kwargs (for good), or a renderer that could not be built: routed by load, recorded with init_error.
+        preparer = None if self.init_error is not None and self._preparer_error is None else await self._the_preparer()
+        if preparer is None:
+            return EngineRequest(request_id=pending_request.metadata.request_id, prompt_token_ids=array("I"))
         try:
             # The Preparer may set fields (a completion's prompt); the engine must get the client's body.
             prepared = await preparer.prepare(kind, body.model_copy())
@@ -136,8 +136,3 @@ def _build_preparer(cfg: RayServeLLMRouterConfig) -> Any:
     args = cfg.app_args()
     return Preparer(args, Renderer(args))
 
-
-def _no_ids() -> Any:
-    from array import array
-
-    return array("I")
