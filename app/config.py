@@ -546,6 +546,15 @@ class WarmupConfig(_Strict):
     join_timeout_s: float = Field(30.0, ge=1.0, le=3600.0,
                                   description="a joining replica takes traffic after this long even if its warm-up "
                                               "has not finished")
+    replicate: bool = Field(False, description="warm one more copy of a hot prefix where the routing policy's prices "
+                                               "say it pays: its holder's queue costs more than the copy's prefill "
+                                               "(routing.replication; off: the simulator found no load where it paid)")
+    max_copies: int = Field(2, ge=2, le=64, description="replicas that may hold one hot prefix (replication's bound)")
+    replicate_share: float = Field(0.25, gt=0.0, le=1.0,
+                                   description="the copies' prefill at most this share of the client requests' "
+                                               "predicted prefill so far")
+    replicate_interval_s: float = Field(1.0, ge=0.1, le=3600.0,
+                                        description="seconds between replication checks (one copy in flight at a time)")
 
     @field_validator("file")
     @classmethod

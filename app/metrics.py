@@ -81,5 +81,7 @@ INGRESS_CACHED_TOKENS = Counter(
 INGRESS_OUTPUT_TOKENS = Counter("prefix_serve_output_tokens", "Output tokens of completed requests")
 WARMUP_REQUESTS = Counter("prefix_serve_warmup_requests", "Warm requests (app.ingress.warmup) by why they were "
                           "sent and how they ended", ["reason", "outcome"])
+REPLICATION_CHECKS = Counter("prefix_serve_replication_checks", "Hot prefixes priced for one more copy "
+                             "(routing.replication) by the outcome: replicate, or why not", ["reason"])
 WARMUP_PREFILL_TOKENS = Counter("prefix_serve_warmup_prefill_tokens", "Prompt tokens warm requests prefilled "
                                 "(prompt less cached), apart from client requests' prefill", ["reason"])

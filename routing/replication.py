@@ -29,19 +29,24 @@ score, its load bound and tie-break).  A holder holds the whole prefix, on eithe
 The caller bounds the rest: how often a prefix is looked at, and the share of prefill
 capacity its warm requests may take.
 
+:func:`replication_plan` is one check over the hottest prefixes, hottest first; the live
+router (``app.router.prefix_affinity``, sending what it returns through ``app.ingress.warmup``)
+and the simulator (``bench.sim.fleet``) both run it.
+
 Pure: views in, a decision out; no Ray, no clock.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from routing.hot_prefixes import WarmPrompt
 from routing.policy import PolicyConfig, ReplicaView, RoutingRequest, choose_replica
 
-__all__ = ["ReplicationDecision", "replication_target"]
+__all__ = ["ReplicationDecision", "replication_plan", "replication_target"]
 
 ReplicationReason = Literal["replicate", "not_held", "max_copies", "holder_not_bottleneck", "not_paid_back",
                             "no_target"]
@@ -122,3 +127,39 @@ def replication_target(prefix_blocks: int, block_size: int, views: Sequence[Repl
     if gain <= price:
         return ReplicationDecision(None, "not_paid_back", holders, holder_wait, copy, gain, price)
     return ReplicationDecision(target, "replicate", holders, holder_wait, copy, gain, price)
+
+
+def replication_plan(hot: Sequence[WarmPrompt], views_of: Callable[[tuple[int, ...]], Sequence[ReplicaView]],
+                     block_size: int, config: PolicyConfig, rng: random.Random, max_copies: int = 2,
+                     skip: Container[int] = (), limit: int | None = None,
+                     max_tokens: int | None = None) -> Iterator[tuple[WarmPrompt, ReplicationDecision]]:
+    """One replication check: each hot prefix priced by :func:`replication_target`, in ``hot``'s order.
+
+    Args:
+        hot: the hottest prefixes, hottest first (``routing.hot_prefixes.HotPrefixes.ranked``); a
+            prefix's recent hits (``heat / tokens``) are the requests expected to use its copy.
+        views_of: the policy's views of the candidates for a request of a prefix's keys
+            (``routing.router_state.RouterState.views``).
+        block_size: tokens per block.
+        config, rng, max_copies: as :func:`replication_target`.
+        skip: last block keys of prefixes not to price now (a copy of them is in flight).
+        limit: stop after this many ``replicate`` decisions (None: price every prefix).
+        max_tokens: prefixes longer than this many tokens are not priced (the caller's budget of
+            warm prefill left; None: no bound).
+
+    Yields:
+        ``(prefix, decision)`` for every prefix priced, in order; the copies to warm are those
+        whose ``decision.target`` is set.  Lazily: a prefix's views are read when the caller asks
+        for it, after whatever the caller did with the copies before it (a copy sent is work
+        queued on its target).
+    """
+    copies = 0
+    for w in hot:
+        if limit is not None and copies >= limit:
+            break
+        if w.keys[-1] in skip or (max_tokens is not None and w.tokens > max_tokens):
+            continue
+        d = replication_target(len(w.keys), block_size, views_of(w.keys), config, rng, max_copies,
+                               w.heat / w.tokens)
+        copies += d.target is not None
+        yield w, d

@@ -20,7 +20,7 @@ from bench.sim.policies import make_policy
 from bench.sim.replica import EngineConfig
 from routing.hot_prefixes import HotPrefixes, WarmPrompt, join_plan, leave_plan, without_covered
 from routing.policy import PolicyConfig, ReplicaView
-from routing.replication import replication_target
+from routing.replication import replication_plan, replication_target
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # ray.serve import noise
 
@@ -131,6 +131,37 @@ def test_replication_respects_max_copies_and_needs_a_holder():
     assert replication_target(10, BS, two, cfg, random.Random(0), max_copies=3).target == "o"
     assert replication_target(10, BS, views(10**6, blocks=9), cfg, random.Random(0)).reason == "not_held"
     assert replication_target(10, BS, views(10**6), cfg, random.Random(0), max_copies=1).reason == "max_copies"
+
+
+def test_a_replication_check_prices_hot_prefixes_in_order_within_its_skip_limit_and_token_bound():
+    """``replication_plan``: each prefix priced as ``replication_target`` prices it, hottest first, with its
+    recent hits (heat / tokens) as the expected requests; a skipped, or too long, prefix is not priced; the
+    check stops after ``limit`` copies; a prefix's views are read only when it is reached."""
+    cfg = PolicyConfig()
+    hot = [WarmPrompt((1, 2), 2 * BS, "p12", heat=5 * 2 * BS),  # 5 recent hits
+           WarmPrompt((3,), BS, "p3", heat=0.01 * BS),  # a hundredth of a hit: a copy is not paid back
+           WarmPrompt((4, 5, 6), 3 * BS, "p456", heat=9 * 3 * BS),
+           WarmPrompt((7,), BS, "p7", heat=2 * BS)]
+    read = []
+
+    def views_of(keys):
+        read.append(keys)
+        return [ReplicaView("h", len(keys), 1, 2_000, 0, 0), ReplicaView("o", 0, 0, 0, 0, 0)]
+
+    got = list(replication_plan(hot, views_of, BS, cfg, random.Random(0), skip={6}))
+    assert [w.source for w, _ in got] == ["p12", "p3", "p7"]  # p456 skipped (a copy in flight)
+    for w, d in got:
+        want = replication_target(len(w.keys), BS, views_of(w.keys), cfg, random.Random(0),
+                                  expected_requests=w.heat / w.tokens)
+        assert (d.reason, d.target, d.gain_s) == (want.reason, want.target, want.gain_s)
+    assert [d.reason for _, d in got] == ["replicate", "not_paid_back", "replicate"]
+    read.clear()
+    it = replication_plan(hot, views_of, BS, cfg, random.Random(0), limit=1)
+    w, d = next(it)
+    assert (w.source, d.target, read) == ("p12", "o", [(1, 2)])  # lazily: nothing past the first yet
+    assert list(it) == [] and read == [(1, 2)]  # the limit reached: no other prefix priced
+    got = list(replication_plan(hot, views_of, BS, cfg, random.Random(0), max_tokens=BS))
+    assert [w.source for w, _ in got] == ["p3", "p7"]
 
 
 def test_parse_scale_schedule():

@@ -440,3 +440,45 @@ async def test_a_hit_is_recorded_and_a_leaving_replicas_own_hot_prefix_is_handed
     await router.choose_replicas([b], pend)
     router.on_request_routed(pend, b.replica_id, ResultDone())
     assert len(router.rewarm.hot) == 1
+
+
+@on_loop
+async def test_replication_names_a_copy_of_a_busy_holders_hot_prefix_for_the_idle_replica_within_its_bounds(routers):
+    """Issue 35: four client requests share a 2-block prefix that only ``a`` holds; once ``a`` is busy (40
+    running: 0.08 s of running penalty against the copy's 65-token prefill, 0.0065 s, on idle ``b``) the check
+    names one copy of that prefix, pinned to ``b``, with the hit's token ids. No copy while ``a`` is idle, past
+    the prefill share (4 x 32 client prefill tokens at 0.25 is 32, under the prefix's 64), or for a joining
+    replica held back; every prefix priced is counted by its reason."""
+    from app import metrics
+    from routing.block_keys import block_keys
+
+    router = routers(block_size=32)
+    a, b = replica("a", {"num_running": 0, "num_waiting": 0}), replica("b", {"num_running": 0, "num_waiting": 0})
+    router.update_replicas([a, b])
+    for uid in "ab":
+        router.state.index.add_replica(uid)
+    shared = list(range(1, 65))
+    assert router.state.index.load_snapshot("a", list(block_keys(array("I", shared), 32)))
+    for i in range(4):
+        request = EngineRequest(request_id=f"cmpl-{i}", prompt_token_ids=array("I", shared + [1000 + i] * 32))
+        pend = pending(request, f"i-{i}")
+        ranked = await router.choose_replicas([a, b], pend)
+        assert ranked[0][0].replica_id.unique_id == "a"  # the prefix's holder, idle: a hit
+        router.on_request_routed(pend, a.replica_id, ResultDone())
+    await asyncio.sleep(0.01)  # the completions posted to the loop: nothing is queued on a now
+    assert router.client_prefill_tokens == 4 * 32
+    assert router.replication_plan(2, 1.0, 0) == []  # a idle: its queue is no bottleneck
+    busy_a = replica("a", {"num_running": 40, "num_waiting": 0})
+    router.update_replicas([busy_a, b])
+    before = metrics.REPLICATION_CHECKS.labels(reason="replicate")._value.get()
+    ((w, d),) = router.replication_plan(2, 1.0, 0)
+    assert (d.target, d.holders, w.tokens, list(w.source[0])) == ("b", ("a",), 64, shared)
+    assert d.holder_wait_s > d.copy_s == pytest.approx(65 * 1e-4)
+    assert metrics.REPLICATION_CHECKS.labels(reason="replicate")._value.get() == before + 1
+    assert router.replication_plan(2, 0.25, 0) == []  # 32 tokens of budget: the prefix is 64
+    assert router.replication_plan(2, 1.0, 4 * 32 - 63) == []  # spent: 63 left
+    router.rewarm_watch({"a"}, 30.0, None)  # b counts as joining: held back, no copy goes to it
+    router.rewarm.known.discard("b")
+    router.update_replicas([busy_a, b])
+    assert router.rewarm.held_back(0.0) == {"b"}
+    assert router.replication_plan(2, 1.0, 0) == []

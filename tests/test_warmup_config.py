@@ -222,30 +222,36 @@ class _Router:
 
 
 def _rewarm(serving, router, gone_after: int | None = None):
-    import asyncio
-
-    from app.ingress.warmup import Warmup
-
     cfg = AppArgs.model_validate({"warmup": {"prompts": [{"name": "sys", "prompt_token_ids": [1, 2, 3]}],
                                              "rewarm_tokens": 4096}})
-
-    async def ready():
-        return True
 
     async def running():
         if gone_after is not None and len(serving.sent) >= gone_after:
             return {"r1"}
         return {"r1", "joiner"}
 
+    return _run_warmup(serving, cfg, running, router, lambda w: router.released and w.progress.jobs and all(
+        j.state != "running" for j in w.progress.jobs)).progress
+
+
+def _run_warmup(serving, cfg, running, router, done):
+    """A ``Warmup`` over ``serving`` and ``router`` (ready at once), run until ``done(warmup)`` (4 s at most)."""
+    import asyncio
+
+    from app.ingress.warmup import Warmup
+
+    async def ready():
+        return True
+
     async def run():
         w = Warmup(serving, cfg, ready, running, lambda: [router])
         w.start()
         for _ in range(200):
             await asyncio.sleep(0.02)
-            if router.released and w.progress.jobs and all(j.state != "running" for j in w.progress.jobs):
+            if done(w):
                 break
         w.stop()
-        return w.progress
+        return w
 
     return asyncio.run(run())
 
@@ -311,3 +317,46 @@ class _ServingPinned(_Serving):
             return
         async for item in super()._answer(kind, ereq, span, deadline, summaries):
             yield item
+
+
+class _ReplicatingRouter:
+    """A request router's replication calls as the warm-up makes them (``ask`` and ``replication_plan``), over a
+    scripted plan: one copy, named at the first check. A stand-in: the router's own side is in
+    tests/test_router_glue.py, the live path in tests/test_warmup.py."""
+
+    def __init__(self, copy):
+        self.copy, self.calls = copy, []
+
+    async def ask(self, fn):
+        return fn()
+
+    def replication_plan(self, max_copies, share, spent_tokens):
+        self.calls.append((max_copies, share, spent_tokens))
+        return [self.copy] if len(self.calls) == 1 else []
+
+
+def test_a_copy_named_by_a_replication_check_goes_pinned_to_its_target_and_counts_its_prefill():
+    from array import array
+
+    from routing.hot_prefixes import WarmPrompt
+    from routing.replication import ReplicationDecision
+
+    prefix = WarmPrompt((7, 8), 32, (array("I", range(100, 140)), "tenant", None), heat=64.0)
+    router = _ReplicatingRouter((prefix, ReplicationDecision("r2", "replicate", ("r1",), 0.5, 0.1, 0.8, 0.2)))
+    serving = _ServingPinned(["r1", "r2"])
+    cfg = AppArgs.model_validate({"warmup": {"rewarm": False, "replicate": True, "max_copies": 3,
+                                             "replicate_share": 0.5, "replicate_interval_s": 0.1}})
+
+    async def running():
+        return {"r1", "r2"}
+
+    w = _run_warmup(serving, cfg, running, router, lambda w: len(router.calls) >= 3 and w.progress.jobs
+                    and w.progress.jobs[0].state != "running")
+    assert serving.bodies == [("replicate", "r2", {"model": cfg.served_model_name, "prompt": list(range(100, 132)),
+                                                  "max_tokens": 1, "temperature": 0.0, "stream": False,
+                                                  "cache_salt": "tenant"})]
+    (job,) = w.progress.jobs
+    assert (job.reason, job.replica_id, job.state, job.requests_done, job.prefill_tokens) == ("replicate", "r2",
+                                                                                            "done", 1, 3)
+    assert w.progress.rewarm_detail()["copies"] == 1 and w.replicate_spent_tokens == 3
+    assert router.calls[0] == (3, 0.5, 0) and router.calls[-1] == (3, 0.5, 3)  # after the copy: its prefill spent

@@ -208,8 +208,9 @@ class AdminRoutes:
         subscribed (every engine replica it knows loaded, warmed up, its KV-event
         snapshot applied) and the configured warm-up prompts are prefilled
         (``app.ingress.warmup``; ``"warmup": {"state", "done", "total", "requests_done", "failed", "short",
-        "prefill_tokens"}``, and per prompt its holders once done); with re-warm on, ``"rewarm": {"joins",
-        "leaves", "recent": [each join or leave: its replica, state, requests and prefill tokens]}``;
+        "prefill_tokens"}``, and per prompt its holders once done); with re-warm or replication on, ``"rewarm":
+        {"joins", "leaves", "copies", "recent": [each join, leave or copy: its replica, state, requests and
+        prefill tokens]}``;
         otherwise 503 with an OpenAI error body (``ServiceUnavailableError``) whose message
         says what is missing (``warming up: 2 of 4 prompts done``, with ``"warmup"`` beside
         ``"error"``). Answers within about ``READY_ENGINE_TIMEOUT_S``; needs no API key.
@@ -231,7 +232,7 @@ class AdminRoutes:
         if not ready or warmup is None:
             return ready, detail
         warmup.start()  # normally started with the replica; here if that found no running loop
-        if warmup.cfg.warmup.rewarm:
+        if warmup.cfg.warmup.rewarm or warmup.cfg.warmup.replicate:
             detail = {**detail, "rewarm": warmup.progress.rewarm_detail()}
         if not warmup.progress.total:
             return ready, detail

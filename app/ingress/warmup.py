@@ -41,6 +41,15 @@ hot-prefix records, ``routing.hot_prefixes``):
   each job is listed in ``/ready``'s ``"rewarm"`` detail (the newest ``RECENT_JOBS``) and its
   requests counted with ``reason`` ``join`` or ``leave``.
 
+**Hot-prefix replication** (``warmup.replicate``, off by default: the simulator found no load where
+it paid, docs/simulator.md), every ``replicate_interval_s``: the router prices its hottest prefixes
+(``routing.replication``, under the policy's own prices: the holder's queue must cost more than the
+copy's prefill, and the prefix's recent hits must pay the copy back) and names at most one copy,
+which this warm-up sends pinned to its target (reason ``replicate``, a job in ``/ready``'s
+``"rewarm"`` detail). Bounded: one copy in flight at a time, at most ``max_copies`` replicas
+holding a prefix, and the copies' prefill at most ``replicate_share`` of the client requests'
+predicted prefill so far. A copy whose target goes fails with it and is not sent elsewhere.
+
 ``check(preparer, cfg)`` is the build-time check: a prompt that fails to render or does not fit
 the context (``max_model_len`` less the one output token) is a config error naming it.
 """
@@ -72,6 +81,8 @@ JOIN = "join"
 """The ``reason`` of a joining replica's warm requests."""
 LEAVE = "leave"
 """The ``reason`` of the warm requests that hand a leaving replica's hot prefixes on."""
+REPLICATE = "replicate"
+"""The ``reason`` of a hot prefix's copy (``warmup.replicate``)."""
 POLL_S = 0.5
 """How often the warm-up asks whether the router is ready before it starts, and for joins and leaves after."""
 RECENT_JOBS = 16
@@ -118,7 +129,8 @@ PROMPTS_SHOWN = 64
 
 @dataclass
 class RewarmJob:
-    """One join or leave: ``reason`` (``join``/``leave``), the replica that joined or left, the prompts
+    """One join, leave or copy: ``reason`` (``join``/``leave``/``replicate``), the replica that joined or left
+    (a copy: its target), the prompts
     ``planned``, ``state`` ``running``/``done``/``cancelled`` (a joining replica went), the warm requests
     answered and failed, their request ids and prefill tokens, and when it started and ended (Unix s)."""
 
@@ -159,7 +171,7 @@ class Progress:
     prompts: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     prefill_tokens: int = 0
     jobs: deque[RewarmJob] = field(default_factory=lambda: deque(maxlen=RECENT_JOBS))
-    jobs_started: dict[str, int] = field(default_factory=lambda: {JOIN: 0, LEAVE: 0})
+    jobs_started: dict[str, int] = field(default_factory=lambda: {JOIN: 0, LEAVE: 0, REPLICATE: 0})
 
     def detail(self) -> dict[str, Any]:
         """The readiness detail: the counts, and (once done, for at most ``PROMPTS_SHOWN`` prompts) each
@@ -172,8 +184,9 @@ class Progress:
         return d
 
     def rewarm_detail(self) -> dict[str, Any]:
-        """``/ready``'s ``"rewarm"``: joins and leaves started, and the newest jobs (``RewarmJob.detail``)."""
+        """``/ready``'s ``"rewarm"``: joins, leaves and copies started, and the newest jobs (``RewarmJob.detail``)."""
         return {"joins": self.jobs_started[JOIN], "leaves": self.jobs_started[LEAVE],
+                "copies": self.jobs_started[REPLICATE],
                 "recent": [j.detail() for j in self.jobs]}
 
 
@@ -202,6 +215,8 @@ class Warmup:
         self.progress = Progress(total=len(self.prompts), state="done" if not self.prompts else "waiting")
         self._task: asyncio.Task | None = None
         self._jobs: set[asyncio.Task] = set()
+        self._copy: asyncio.Task | None = None  # the hot-prefix copy in flight (one at a time)
+        self.replicate_spent_tokens = 0  # prefill the copies took (the replicate_share bound)
 
     @property
     def finished(self) -> bool:
@@ -209,7 +224,8 @@ class Warmup:
 
     def start(self) -> None:
         """Start the warm-up on the running loop (once; nothing to do without prompts or re-warm)."""
-        if self._task is None and (self.prompts or self.cfg.warmup.rewarm):
+        w = self.cfg.warmup
+        if self._task is None and (self.prompts or w.rewarm or w.replicate):
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     def stop(self) -> None:
@@ -227,7 +243,7 @@ class Warmup:
             await asyncio.sleep(POLL_S)
         if self.prompts:
             await self._warm_all()
-        if self.cfg.warmup.rewarm:
+        if self.cfg.warmup.rewarm or self.cfg.warmup.replicate:
             await self._follow_fleet()
 
     async def _warm_all(self) -> None:
@@ -289,13 +305,22 @@ class Warmup:
     # ------------------------------------------------------------------ re-warm
 
     async def _follow_fleet(self) -> None:
-        """Watch every router's re-warm book and run each join and leave it reports (see the module doc)."""
+        """Watch every router's re-warm book and run each join and leave it reports, and (``warmup.replicate``)
+        each hot-prefix copy its checks name (see the module doc)."""
         running = await self._running()
         known: set[str] | None = running  # what the warm-up at start covered
         watched: weakref.WeakSet[Any] = weakref.WeakSet()
         w = self.cfg.warmup
-        logger.info("re-warm: following joins and leaves (%d engine replicas now)", len(running))
+        next_check = 0.0
+        logger.info("re-warm: following joins and leaves (%d engine replicas now)%s", len(running),
+                    "; replicating hot prefixes" if w.replicate else "")
         while True:
+            if w.replicate and (self._copy is None or self._copy.done()) and time.monotonic() >= next_check:
+                next_check = time.monotonic() + w.replicate_interval_s
+                await self._check_replication()
+            if not w.rewarm:
+                await asyncio.sleep(min(POLL_S, w.replicate_interval_s))
+                continue
             for router in list(self.routers()):
                 try:
                     if router not in watched:
@@ -315,10 +340,43 @@ class Warmup:
                     self._spawn(self._leave(job))
             await asyncio.sleep(POLL_S)
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)
         self._jobs.add(task)
         task.add_done_callback(self._jobs.discard)
+        return task
+
+    async def _check_replication(self) -> None:
+        """Ask each router for a hot prefix's copy (``PrefixAffinityRouter.replication_plan``); send the first named."""
+        w = self.cfg.warmup
+        for router in list(self.routers()):
+            try:
+                plan = await router.ask(lambda r=router: r.replication_plan(w.max_copies, w.replicate_share,
+                                                                            self.replicate_spent_tokens))
+            except Exception:  # noqa: BLE001 - a router busy or gone: asked again at the next check
+                logger.debug("replication: router did not answer", exc_info=True)
+                continue
+            if plan:
+                prefix, decision = plan[0]
+                self._copy = cast(asyncio.Task, self._spawn(self._replicate(prefix, decision)))
+                return
+
+    async def _replicate(self, prefix: WarmPrompt, decision: Any) -> None:
+        """Warm one copy of a hot prefix on ``decision.target`` (pinned: never sent elsewhere)."""
+        job = self._job(REPLICATE, decision.target)
+        job.planned = 1
+        logger.info("replication: copying a hot prefix (%d tokens, %.1f recent hits, held by %s) to %s: its holder's "
+                    "wait %.4f s against the copy's %.4f s", prefix.tokens, prefix.heat / prefix.tokens,
+                    ", ".join(decision.holders), decision.target, decision.holder_wait_s, decision.copy_s)
+        try:
+            await self._send_prefix(prefix, job, home=decision.target)
+            job.state = "done" if not job.failed else "failed"
+        except Exception:  # noqa: BLE001 - logged; the next check goes on
+            logger.exception("replication of a hot prefix to %s failed", decision.target)
+            job.state = "failed"
+        finally:
+            job.ended_at = time.time()
+            self.replicate_spent_tokens += job.prefill_tokens
 
     def _job(self, reason: str, uid: str) -> RewarmJob:
         job = RewarmJob(reason, uid)

@@ -46,6 +46,7 @@ from app.router.ranks import chosen_first, no_candidates
 from routing.block_keys import block_keys
 from routing.hot_prefixes import HotPrefixes, WarmPrompt
 from routing.relay_reader import RelayReader
+from routing.replication import ReplicationDecision, replication_plan
 from routing.rewarm import LeaveJob, RewarmBook
 from routing.router_state import Candidate, CandidateSet, Routed, RouteRequest
 from routing.tiers import TIER_LABELS, Tier
@@ -114,6 +115,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.rewarm = RewarmBook(HotPrefixes(self.cfg.hot_half_life_s, self.cfg.hot_prefixes_kept),
                                  self.cfg.hot_prefixes_kept)
         self._rewarm_tokens: int | None = None  # warmup.rewarm_tokens, from rewarm_watch
+        self.client_prefill_tokens = 0  # predicted uncached prompt tokens of the client requests routed (first tries)
         metrics.ROUTERS.add(self)
 
     # ------------------------------------------------------------- the owner loop
@@ -420,6 +422,7 @@ class PrefixAffinityRouter(RequestRouter):
             # (a retried try would count the blocks its own first try was predicted to add)
             # A prefix hit, recorded for re-warm (routing.hot_prefixes): the request's own ids are its source.
             bs = record.request.block_size
+            self.client_prefill_tokens += max(0, routed.prompt_tokens - routed.predicted_cached_tokens)
             hit = routed.predicted_cached_tokens // bs
             if hit:  # the source keeps the hit's ids only (a copy of them: not the whole prompt)
                 self.rewarm.hot.record(record.request.keys, hit, bs, now,
@@ -459,6 +462,34 @@ class PrefixAffinityRouter(RequestRouter):
 
     def rewarm_release(self, uid: str) -> bool:
         return self.rewarm.release(uid)
+
+    def replication_plan(self, max_copies: int, share: float,
+                         spent_tokens: int) -> list[tuple[WarmPrompt, ReplicationDecision]]:
+        """One replication check (``routing.replication.replication_plan``) over the hottest prefixes, on the
+        replicas that take traffic (joining ones held back are left out): at most one copy, of a prefix no longer
+        than the warm prefill left to spend, ``share`` of the client requests' predicted prefill so far less
+        ``spent_tokens``. Each prefix priced is counted by its reason (``prefix_serve_replication_checks_total``);
+        returns the copy to warm, if any, ``WarmPrompt.source`` as in :meth:`rewarm_join_plan`,
+        ``decision.target`` the replica to pin it to."""
+        bs = self.state.block_size or self._block_size(list(self.curr_replicas.values())) or self.cfg.block_size
+        budget = int(share * self.client_prefill_tokens) - spent_tokens
+        if not bs or budget < bs or not len(self.rewarm.hot):
+            return []
+        now = time.time()
+        held_back = self.rewarm.held_back(now) if self.rewarm.joining else set()
+        cands = [Candidate(r.replica_id.unique_id, r.routing_stats, r.max_ongoing_requests)
+                 for r in self.curr_replicas.values() if r.replica_id.unique_id not in held_back]
+        if len(cands) < 2:
+            return []
+        plan = []
+        for w, d in replication_plan(self.rewarm.hot.ranked(now, self.rewarm.hot_candidates),
+                                     lambda keys: self.state.views(RouteRequest(keys, len(keys) * bs + 1, bs), cands,
+                                                                   now),
+                                     bs, self.state.policy, self.rng, max_copies, limit=1, max_tokens=budget):
+            metrics.REPLICATION_CHECKS.labels(reason=d.reason).inc()
+            if d.target is not None:
+                plan.append((w, d))
+        return plan
 
     def _rewarm_budget(self) -> int:
         """``warmup.rewarm_tokens``, else half the smallest GPU KV cache of the replicas listed (tokens)."""

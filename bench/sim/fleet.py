@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from bench.sim.replica import Replica, ReqState
 from bench.sim.workload import SimRequest, Workload
 from routing.hot_prefixes import HotPrefixes, WarmPrompt, join_plan, leave_plan
-from routing.replication import replication_target
+from routing.replication import replication_plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from bench.sim.policies import Policy
@@ -360,17 +360,13 @@ class Fleet:
         if len(cands) < 2:
             return
         policy: Any = self.policy
-        for w in self.hot.ranked(now, self.cfg.hot_candidates):
-            if w.keys[-1] in self.pending:
-                continue
-            views = policy.replication_views(w.keys, cands, now)
-            hits = w.heat / w.tokens  # recent hits (decayed): the requests expected to use a copy
-            d = replication_target(len(w.keys), self.bs, views, policy.router.policy, self.rng, self.cfg.max_copies,
-                                   hits)
+        for w, d in replication_plan(self.hot.ranked(now, self.cfg.hot_candidates),
+                                     lambda keys: policy.replication_views(keys, cands, now), self.bs,
+                                     policy.router.policy, self.rng, self.cfg.max_copies, self.pending):
             self.replication[d.reason] += 1
             ex = self.replication_examples.setdefault(d.reason, [])
             if len(ex) < 5 and d.reason != "not_held":
-                ex.append({"t": round(now, 3), "tokens": w.tokens, "recent_hits": round(hits, 2),
+                ex.append({"t": round(now, 3), "tokens": w.tokens, "recent_hits": round(w.heat / w.tokens, 2),
                            "holders": list(d.holders), "holder_wait_s": round(d.holder_wait_s, 4),
                            "copy_s": round(d.copy_s, 4), "gain_s": round(d.gain_s, 4), "price_s": round(d.price_s, 4),
                            "target": d.target})
