@@ -548,7 +548,8 @@ class WarmupConfig(_Strict):
                                               "has not finished")
     replicate: bool = Field(False, description="warm one more copy of a hot prefix where the routing policy's prices "
                                                "say it pays: its holder's queue costs more than the copy's prefill "
-                                               "(routing.replication; off: the simulator found no load where it paid)")
+                                               "(routing.replication; off: in the simulator it pays only where hot "
+                                               "prefixes queue on their holders)")
     max_copies: int = Field(2, ge=2, le=64, description="replicas that may hold one hot prefix (replication's bound)")
     replicate_share: float = Field(0.25, gt=0.0, le=1.0,
                                    description="the copies' prefill at most this share of the client requests' "

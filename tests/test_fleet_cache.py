@@ -266,17 +266,25 @@ def test_rewarm_warms_the_joining_replica_before_it_serves():
 def test_replication_fires_only_when_it_pays_and_respects_its_bounds():
     wl = generate("system_prompts", 600, seed=1).scaled(4.0)
     wl.prepare(BS)
-    cfg = cluster(fleet=FleetConfig(replicate=True, max_copies=2))
+    cfg = cluster(fleet=FleetConfig(replicate=True, max_copies=2, replicate_share=None))  # every copy that pays
     run = simulate_policy(wl, make_policy("prefix_affinity"), cfg)
     fl = run.extra["fleet"]
     rep = fl["replication"]
-    assert rep.get("replicate", 0) == fl["warm_requests"].get("sent_replicate", 0)
+    assert rep["replicate"] == fl["warm_requests"]["sent_replicate"] >= 2
     for ex in fl["replication_examples"].get("replicate", []):
         assert ex["holder_wait_s"] > ex["copy_s"] and ex["gain_s"] > ex["price_s"] and len(ex["holders"]) < 2
     for ex in fl["replication_examples"].get("not_paid_back", []):
         assert ex["gain_s"] <= ex["price_s"]
     for ex in fl["replication_examples"].get("holder_not_bottleneck", []):
         assert ex["holder_wait_s"] <= ex["copy_s"]
+    # The live app's bounds: one copy in flight, one a check, their prompt tokens within a share of the prefill.
+    for share in (0.25, 0.01):
+        bounded = simulate_policy(wl, make_policy("prefix_affinity"),
+                                  replace(cfg, fleet=FleetConfig(replicate=True, replicate_share=share)))
+        fb = bounded.extra["fleet"]
+        sent = fb["warm_prompt_tokens_sent"].get("replicate", 0)
+        assert sent <= share * fb["request_prefill_tokens"] and fb["replication"].get("replicate", 0) < rep["replicate"]
+    assert sent == 0  # 1 % of the prefill never reached one prefix's length
     one = simulate_policy(wl, make_policy("prefix_affinity"), replace(cfg, fleet=FleetConfig(replicate=True,
                                                                                                max_copies=1)))
     assert one.extra["fleet"]["warm_requests"].get("sent_replicate", 0) == 0

@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--join-timeout-s", type=float, default=30.0,
                     help="a joining replica serves after this long even if not warm (30)")
     fl.add_argument("--max-copies", type=int, default=2, help="replicas that may hold one hot prefix (2)")
+    fl.add_argument("--replicate-share", default="0.25",
+                    help="the live app's bounds on --replicate: one copy in flight, one named a check, the copies' "
+                         "prompt tokens at most this share of the requests' prefill so far (0.25, as "
+                         "warmup.replicate_share); 'none': every copy that pays, every check")
     return ap
 
 
@@ -151,10 +155,15 @@ def _fleet(args: argparse.Namespace, wl: Workload, block_size: int) -> FleetConf
         if kind != "auto" or not count.isdigit():
             raise SystemExit(f"--warmup {warmup!r}: expected auto:K")
         listed = auto_warmup(wl, int(count), block_size)
+    raw_share = str(getattr(args, "replicate_share", "0.25"))
+    try:
+        share = None if raw_share.lower() == "none" else float(raw_share)
+    except ValueError:
+        raise SystemExit(f"--replicate-share {raw_share!r}: expected a number in (0, 1] or 'none'") from None
     try:
         return FleetConfig(churn_every_s=churn, scale_schedule=steps, rewarm=rewarm, warmup=listed,
                            replicate=replicate, warm_share=args.warm_share, rewarm_tokens=args.rewarm_tokens,
-                           join_timeout_s=args.join_timeout_s, max_copies=args.max_copies)
+                           join_timeout_s=args.join_timeout_s, max_copies=args.max_copies, replicate_share=share)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
 
@@ -166,7 +175,8 @@ def fleet_info(fleet: FleetConfig | None) -> dict[str, Any]:
     return {"fleet": {"churn_every_s": fleet.churn_every_s, "scale_schedule": [list(x) for x in fleet.scale_schedule],
                       "rewarm": fleet.rewarm, "warmup_prompts": len(fleet.warmup), "replicate": fleet.replicate,
                       "warm_share": fleet.warm_share, "rewarm_tokens": fleet.rewarm_tokens,
-                      "join_timeout_s": fleet.join_timeout_s, "max_copies": fleet.max_copies}}
+                      "join_timeout_s": fleet.join_timeout_s, "max_copies": fleet.max_copies,
+                      "replicate_share": fleet.replicate_share}}
 
 
 def _load(args: argparse.Namespace, max_model_len: int) -> Workload:

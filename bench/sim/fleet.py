@@ -74,6 +74,10 @@ class FleetConfig:
         hot_candidates: hottest prefixes a leave plan or a replication tick looks at.
         replicate_every_s: period of the replication check, seconds.
         max_copies: replicas that may hold one prefix (replication's bound).
+        replicate_share: the live app's bounds on replication (``warmup.replicate_share``): one copy
+            in flight at a time, at most one named per check, and the copies' prompt tokens at most
+            this share of the requests' prefill so far; None: none of them (every copy that pays,
+            every check).
     """
 
     churn_every_s: float | None = None
@@ -88,6 +92,7 @@ class FleetConfig:
     hot_candidates: int = 256
     replicate_every_s: float = 1.0
     max_copies: int = 2
+    replicate_share: float | None = 0.25
 
     def __post_init__(self) -> None:
         if self.churn_every_s is not None and not self.churn_every_s > 0:
@@ -96,6 +101,8 @@ class FleetConfig:
             raise ValueError(f"warm_share must be in (0, 1], got {self.warm_share}")
         if self.max_copies < 1:
             raise ValueError(f"max_copies must be >= 1, got {self.max_copies}")
+        if self.replicate_share is not None and not 0 < self.replicate_share <= 1:
+            raise ValueError(f"replicate_share must be in (0, 1], got {self.replicate_share}")
 
 
 def parse_scale_schedule(spec: str) -> tuple[tuple[float, int], ...]:
@@ -360,9 +367,18 @@ class Fleet:
         if len(cands) < 2:
             return
         policy: Any = self.policy
+        limit = max_tokens = None
+        share = self.cfg.replicate_share
+        if share is not None:  # the live app's bounds (app.ingress.warmup)
+            if self.pending:
+                return
+            reps = self.replicas
+            requests_prefill = sum(r.prefill_tokens - r.warm_prefill_tokens for r in reps)
+            limit, max_tokens = 1, int(share * requests_prefill) - self.warm_tokens["replicate"]
         for w, d in replication_plan(self.hot.ranked(now, self.cfg.hot_candidates),
                                      lambda keys: policy.replication_views(keys, cands, now), self.bs,
-                                     policy.router.policy, self.rng, self.cfg.max_copies, self.pending):
+                                     policy.router.policy, self.rng, self.cfg.max_copies, self.pending, limit,
+                                     max_tokens):
             self.replication[d.reason] += 1
             ex = self.replication_examples.setdefault(d.reason, [])
             if len(ex) < 5 and d.reason != "not_held":
