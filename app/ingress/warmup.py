@@ -42,8 +42,8 @@ hot-prefix records, ``routing.hot_prefixes``):
   requests counted with ``reason`` ``join`` or ``leave``.
 
 **Hot-prefix replication** (``warmup.replicate``, off by default: in the simulator it pays only
-where hot prefixes queue on their holders, docs/simulator.md), every ``replicate_interval_s``: the router prices its hottest prefixes
-(``routing.replication``, under the policy's own prices: the holder's queue must cost more than the
+where hot prefixes queue on their holders, docs/simulator.md), every ``replicate_interval_s``: the
+router prices its hottest prefixes (``routing.replication``, under the policy's own prices: the holder's queue must cost more than the
 copy's prefill, and the prefix's recent hits must pay the copy back) and names at most one copy,
 which this warm-up sends pinned to its target (reason ``replicate``, a job in ``/ready``'s
 ``"rewarm"`` detail). Bounded: one copy in flight at a time, at most ``max_copies`` replicas
