@@ -43,12 +43,13 @@ hot-prefix records, ``routing.hot_prefixes``):
 
 **Hot-prefix replication** (``warmup.replicate``, off by default: in the simulator it pays only
 where hot prefixes queue on their holders, docs/simulator.md), every ``replicate_interval_s``: the
-router prices its hottest prefixes (``routing.replication``, under the policy's own prices: the holder's queue must cost more than the
-copy's prefill, and the prefix's recent hits must pay the copy back) and names at most one copy,
-which this warm-up sends pinned to its target (reason ``replicate``, a job in ``/ready``'s
-``"rewarm"`` detail). Bounded: one copy in flight at a time, at most ``max_copies`` replicas
-holding a prefix, and the copies' prefill at most ``replicate_share`` of the client requests'
-predicted prefill so far. A copy whose target goes fails with it and is not sent elsewhere.
+router prices its hottest prefixes (``routing.replication``, under the policy's own prices: the
+holder's queue must cost more than the copy's prefill, and the prefix's recent hits must pay the
+copy back) and names at most one copy, which this warm-up sends pinned to its target (reason
+``replicate``, a job in ``/ready``'s ``"rewarm"`` detail). Bounded: one copy in flight at a time, at
+most ``max_copies`` replicas holding a prefix, and the copies' prefill at most ``replicate_share``
+of the client requests' predicted prefill so far. A copy whose target goes fails with it and is not
+sent elsewhere.
 
 ``check(preparer, cfg)`` is the build-time check: a prompt that fails to render or does not fit
 the context (``max_model_len`` less the one output token) is a config error naming it.
