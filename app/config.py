@@ -552,10 +552,11 @@ class WarmupConfig(_Strict):
                                                "prefixes queue on their holders)")
     max_copies: int = Field(2, ge=2, le=64, description="replicas that may hold one hot prefix (replication's bound)")
     replicate_share: float = Field(0.25, gt=0.0, le=1.0,
-                                   description="the copies' prefill at most this share of the client requests' "
-                                               "predicted prefill so far")
-    replicate_interval_s: float = Field(1.0, ge=0.1, le=3600.0,
-                                        description="seconds between replication checks (one copy in flight at a time)")
+                                   description="the copies' prompt tokens at most this share of the client "
+                                               "requests' predicted prefill so far")
+    replicate_interval_s: float = Field(1.0, ge=0.5, le=3600.0,
+                                        description="seconds between replication checks (one copy in flight at a "
+                                                    "time), rounded up to the warm-up's 0.5 s poll")
 
     @field_validator("file")
     @classmethod

@@ -447,8 +447,8 @@ async def test_replication_names_a_copy_of_a_busy_holders_hot_prefix_for_the_idl
     """Issue 35: four client requests share a 2-block prefix that only ``a`` holds; once ``a`` is busy (40
     running: 0.08 s of running penalty against the copy's 65-token prefill, 0.0065 s, on idle ``b``) the check
     names one copy of that prefix, pinned to ``b``, with the hit's token ids. No copy while ``a`` is idle, past
-    the prefill share (4 x 32 client prefill tokens at 0.25 is 32, under the prefix's 64), or for a joining
-    replica held back; every prefix priced is counted by its reason."""
+    the prefill share (4 x 32 client prefill tokens at 0.25 is 32, under the prefix's 64), for a prefix
+    whose copy failed lately, or for a joining replica held back; every prefix priced is counted by its reason."""
     from app import metrics
     from routing.block_keys import block_keys
 
@@ -477,8 +477,33 @@ async def test_replication_names_a_copy_of_a_busy_holders_hot_prefix_for_the_idl
     assert metrics.REPLICATION_CHECKS.labels(reason="replicate")._value.get() == before + 1
     assert router.replication_plan(2, 0.25, 0) == []  # 32 tokens of budget: the prefix is 64
     assert router.replication_plan(2, 1.0, 4 * 32 - 63) == []  # spent: 63 left
+    assert router.replication_plan(2, 1.0, 0, frozenset({w.keys[-1]})) == []  # its copy failed lately: skipped
     router.rewarm_watch({"a"}, 30.0, None)  # b counts as joining: held back, no copy goes to it
     router.rewarm.known.discard("b")
     router.update_replicas([busy_a, b])
     assert router.rewarm.held_back(0.0) == {"b"}
     assert router.replication_plan(2, 1.0, 0) == []
+
+
+@on_loop
+async def test_a_pinned_warm_request_has_its_blocks_predicted_and_its_prefill_queued_on_its_replica(routers):
+    """Issue 35: a hot prefix's copy is pinned to its target; until the target's KV events come, the router
+    must see the copy there (its blocks predicted, its prefill queued), or the next check would name the same
+    copy again and client requests would be routed as if the target were idle."""
+    import time
+
+    router = routers(block_size=32)
+    a, b = replica("a"), replica("b")
+    router.update_replicas([a, b])
+    for uid in "ab":
+        router.state.index.add_replica(uid)
+    copy = engine_request(96)
+    copy.warmup, copy.home_replica = "replicate", "b"
+    pend = pending(copy, "i-copy")
+    assert ranked_ids(await router.choose_replicas([a, b], pend)) == [["b"]]
+    router.on_request_routed(pend, b.replica_id, ResultEnds())
+    view_b = router.state.views(router._route_request(engine_request(96), 32),
+                                [c for c in router._candidate_set([a, b]).candidates if c.replica_id == "b"],
+                                time.time())[0]
+    assert view_b.matched_blocks == 3 and view_b.queued_prefill_tokens == 96
+    assert router.state.requests["i-copy"].decision.reason == "only_candidate"

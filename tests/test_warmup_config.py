@@ -310,6 +310,8 @@ class _ServingPinned(_Serving):
         from app.protocol import EngineSummary
 
         self.bodies.append((ereq.warmup, ereq.home_replica, self.body))
+        if ereq.home_replica is not None and ereq.home_replica not in self.running:  # gone: no answer comes
+            return
         if ereq.home_replica is not None:  # pinned: the router sends it there (tests/test_router_glue.py)
             self.sent.append(())
             summaries.append(EngineSummary(replica_id=ereq.home_replica, prompt_tokens=3, cached_tokens=0))
@@ -324,15 +326,17 @@ class _ReplicatingRouter:
     scripted plan: one copy, named at the first check. A stand-in: the router's own side is in
     tests/test_router_glue.py, the live path in tests/test_warmup.py."""
 
-    def __init__(self, copy):
-        self.copy, self.calls = copy, []
+    def __init__(self, copy, again=False):
+        self.copy, self.calls, self.again = copy, [], again
 
     async def ask(self, fn):
         return fn()
 
-    def replication_plan(self, max_copies, share, spent_tokens):
-        self.calls.append((max_copies, share, spent_tokens))
-        return [self.copy] if len(self.calls) == 1 else []
+    def replication_plan(self, max_copies, share, spent_tokens, skip):
+        self.calls.append((max_copies, share, spent_tokens, skip))
+        if self.copy[0].keys[-1] in skip:
+            return []
+        return [self.copy] if len(self.calls) == 1 or self.again else []
 
 
 def test_a_copy_named_by_a_replication_check_goes_pinned_to_its_target_and_counts_its_prefill():
@@ -345,7 +349,7 @@ def test_a_copy_named_by_a_replication_check_goes_pinned_to_its_target_and_count
     router = _ReplicatingRouter((prefix, ReplicationDecision("r2", "replicate", ("r1",), 0.5, 0.1, 0.8, 0.2)))
     serving = _ServingPinned(["r1", "r2"])
     cfg = AppArgs.model_validate({"warmup": {"rewarm": False, "replicate": True, "max_copies": 3,
-                                             "replicate_share": 0.5, "replicate_interval_s": 0.1}})
+                                             "replicate_share": 0.5, "replicate_interval_s": 0.5}})
 
     async def running():
         return {"r1", "r2"}
@@ -358,5 +362,27 @@ def test_a_copy_named_by_a_replication_check_goes_pinned_to_its_target_and_count
     (job,) = w.progress.jobs
     assert (job.reason, job.replica_id, job.state, job.requests_done, job.prefill_tokens) == ("replicate", "r2",
                                                                                             "done", 1, 3)
-    assert w.progress.rewarm_detail()["copies"] == 1 and w.replicate_spent_tokens == 3
-    assert router.calls[0] == (3, 0.5, 0) and router.calls[-1] == (3, 0.5, 3)  # after the copy: its prefill spent
+    assert w.progress.rewarm_detail()["copies"] == 1 and w.replicate_spent_tokens == 32
+    # Charged when sent: the prefix's 32 prompt tokens (the engine's prefill of it, 3 here, is the job's).
+    assert router.calls[0] == (3, 0.5, 0, frozenset()) and router.calls[-1] == (3, 0.5, 32, frozenset())
+
+
+def test_a_copy_that_fails_is_charged_and_its_prefix_is_skipped_for_a_while():
+    from array import array
+
+    from routing.hot_prefixes import WarmPrompt
+    from routing.replication import ReplicationDecision
+
+    prefix = WarmPrompt((7, 8), 32, (array("I", range(100, 140)), None, None), heat=64.0)
+    router = _ReplicatingRouter((prefix, ReplicationDecision("gone", "replicate", ("r1",), 0.5, 0.1, 0.8, 0.2)),
+                                again=True)
+    serving = _ServingPinned(["r1", "r2"])  # "gone" is not running: the pinned copy fails
+    cfg = AppArgs.model_validate({"warmup": {"rewarm": False, "replicate": True, "replicate_interval_s": 0.5}})
+
+    async def running():
+        return {"r1", "r2"}
+
+    w = _run_warmup(serving, cfg, running, router, lambda w: len(router.calls) >= 2)
+    (job,) = w.progress.jobs
+    assert (job.state, job.failed, w.replicate_spent_tokens) == ("failed", 1, 32)
+    assert router.calls[1][3] == frozenset({8})  # the next check skips it (for COPY_COOLDOWN_S)

@@ -46,10 +46,11 @@ where hot prefixes queue on their holders, docs/simulator.md), every ``replicate
 router prices its hottest prefixes (``routing.replication``, under the policy's own prices: the
 holder's queue must cost more than the copy's prefill, and the prefix's recent hits must pay the
 copy back) and names at most one copy, which this warm-up sends pinned to its target (reason
-``replicate``, a job in ``/ready``'s ``"rewarm"`` detail). Bounded: one copy in flight at a time, at
-most ``max_copies`` replicas holding a prefix, and the copies' prefill at most ``replicate_share``
-of the client requests' predicted prefill so far. A copy whose target goes fails with it and is not
-sent elsewhere.
+``replicate``, a job in ``/ready``'s ``"rewarm"`` detail). Bounded: one copy in flight at a time
+(within ``COPY_TIMEOUT_S``), at most ``max_copies`` replicas holding a prefix (as this router sees
+them), and the copies' prompt tokens, charged when sent, at most ``replicate_share`` of the client
+requests' predicted prefill so far. A copy whose target goes fails with it and is not sent
+elsewhere; a prefix whose copy failed is not priced again for ``COPY_COOLDOWN_S``.
 
 ``check(preparer, cfg)`` is the build-time check: a prompt that fails to render or does not fit
 the context (``max_model_len`` less the one output token) is a config error naming it.
@@ -84,6 +85,11 @@ LEAVE = "leave"
 """The ``reason`` of the warm requests that hand a leaving replica's hot prefixes on."""
 REPLICATE = "replicate"
 """The ``reason`` of a hot prefix's copy (``warmup.replicate``)."""
+COPY_TIMEOUT_S = 60.0
+"""Longest a hot prefix's copy may take (its prefill, and a wait for room on its target): one copy is in
+flight at a time, so a copy held back longer would stop replication."""
+COPY_COOLDOWN_S = 60.0
+"""A prefix whose copy failed is not priced again for this long."""
 POLL_S = 0.5
 """How often the warm-up asks whether the router is ready before it starts, and for joins and leaves after."""
 RECENT_JOBS = 16
@@ -217,7 +223,8 @@ class Warmup:
         self._task: asyncio.Task | None = None
         self._jobs: set[asyncio.Task] = set()
         self._copy: asyncio.Task | None = None  # the hot-prefix copy in flight (one at a time)
-        self.replicate_spent_tokens = 0  # prefill the copies took (the replicate_share bound)
+        self.replicate_spent_tokens = 0  # prompt tokens of the copies sent (the replicate_share bound)
+        self._copy_failed: dict[int, float] = {}  # last block key of a prefix whose copy failed -> when to retry
 
     @property
     def finished(self) -> bool:
@@ -320,7 +327,7 @@ class Warmup:
                 next_check = time.monotonic() + w.replicate_interval_s
                 await self._check_replication()
             if not w.rewarm:
-                await asyncio.sleep(min(POLL_S, w.replicate_interval_s))
+                await asyncio.sleep(POLL_S)
                 continue
             for router in list(self.routers()):
                 try:
@@ -350,15 +357,19 @@ class Warmup:
     async def _check_replication(self) -> None:
         """Ask each router for a hot prefix's copy (``PrefixAffinityRouter.replication_plan``); send the first named."""
         w = self.cfg.warmup
+        now = time.monotonic()
+        self._copy_failed = {k: until for k, until in self._copy_failed.items() if until > now}
+        skip = frozenset(self._copy_failed)
         for router in list(self.routers()):
             try:
                 plan = await router.ask(lambda r=router: r.replication_plan(w.max_copies, w.replicate_share,
-                                                                            self.replicate_spent_tokens))
+                                                                            self.replicate_spent_tokens, skip))
             except Exception:  # noqa: BLE001 - a router busy or gone: asked again at the next check
                 logger.debug("replication: router did not answer", exc_info=True)
                 continue
             if plan:
                 prefix, decision = plan[0]
+                self.replicate_spent_tokens += prefix.tokens  # charged when sent: a failed copy costs its budget too
                 self._copy = cast(asyncio.Task, self._spawn(self._replicate(prefix, decision)))
                 return
 
@@ -370,14 +381,15 @@ class Warmup:
                     "wait %.4f s against the copy's %.4f s", prefix.tokens, prefix.heat / prefix.tokens,
                     ", ".join(decision.holders), decision.target, decision.holder_wait_s, decision.copy_s)
         try:
-            await self._send_prefix(prefix, job, home=decision.target)
+            await self._send_prefix(prefix, job, home=decision.target, timeout_s=COPY_TIMEOUT_S)
             job.state = "done" if not job.failed else "failed"
         except Exception:  # noqa: BLE001 - logged; the next check goes on
             logger.exception("replication of a hot prefix to %s failed", decision.target)
             job.state = "failed"
         finally:
             job.ended_at = time.time()
-            self.replicate_spent_tokens += job.prefill_tokens
+            if job.state != "done":
+                self._copy_failed[prefix.keys[-1]] = time.monotonic() + COPY_COOLDOWN_S
 
     def _job(self, reason: str, uid: str) -> RewarmJob:
         job = RewarmJob(reason, uid)
@@ -440,7 +452,8 @@ class Warmup:
         finally:
             job.ended_at = time.time()
 
-    async def _send_prefix(self, w: WarmPrompt, job: RewarmJob, home: str | None = None) -> None:
+    async def _send_prefix(self, w: WarmPrompt, job: RewarmJob, home: str | None = None,
+                           timeout_s: float | None = None) -> None:
         """One re-warm request: ``w``'s token ids (a configured prompt whole, a hot prefix's full blocks) as a
         completion with ``max_tokens`` 1, pinned to ``home`` or placed by the router."""
         ids, salt, lora_name = cast(tuple[Any, str | None, str | None], w.source)
@@ -450,7 +463,7 @@ class Warmup:
         if salt is not None:
             body["cache_salt"] = salt
         summary = await self._send(f"{job.reason} {job.replica_id}", job.reason, COMPLETION, body, job.request_ids,
-                                   home=home)
+                                   home=home, timeout_s=timeout_s)
         if summary is None or (home is not None and summary.replica_id != home):
             job.failed += 1
         else:
@@ -458,9 +471,11 @@ class Warmup:
             job.prefill_tokens += max(0, summary.prompt_tokens - summary.cached_tokens)
 
     async def _send(self, name: str, reason: str, kind: str, body: dict[str, Any], ids: list[str],
-                    avoid: tuple[str, ...] = (), home: str | None = None) -> EngineSummary | None:
+                    avoid: tuple[str, ...] = (), home: str | None = None,
+                    timeout_s: float | None = None) -> EngineSummary | None:
         """One warm request (its id appended to ``ids``), placed elsewhere than ``avoid`` or pinned to
-        ``home``; its engine summary, or None (logged, counted) if it failed."""
+        ``home``, within ``timeout_s`` (else ``lifecycle.request_timeout_s``); its engine summary, or None
+        (logged, counted) if it failed."""
         span = tracing.request_span("chat" if kind == CHAT else "text_completion", self.cfg.served_model_name, None)
         span.set_attribute("prefix_serve.warmup", reason)
         outcome = "failed"
@@ -474,7 +489,7 @@ class Warmup:
                 ereq: EngineRequest = prepared
                 ereq.warmup, ereq.avoid_replicas, ereq.home_replica = reason, avoid, home
                 ids.append(ereq.request_id)
-                deadline = asyncio.get_running_loop().time() + self.cfg.lifecycle.request_timeout_s
+                deadline = asyncio.get_running_loop().time() + (timeout_s or self.cfg.lifecycle.request_timeout_s)
                 async for item in self.serving.dispatcher.answer(kind, ereq, span, deadline, summaries):
                     if isinstance(item, Failed):
                         logger.warning("warm-up prompt %r failed: %s", name, item.error.error.message)

@@ -55,6 +55,7 @@ logger = logging.getLogger("prefix_serve.router")
 SNAPSHOT_WAIT_S = 2.0  # longest a request waits for the candidates' block snapshots (a router's first seconds)
 ASK_TIMEOUT_S = 5.0  # longest another thread waits for the router loop to answer
 DEFAULT_REWARM_TOKENS = 16384  # a join's or leave's warm tokens when no replica reports its cache size
+REPLICATION_CANDIDATES = 256  # hottest prefixes one replication check prices (the simulator's hot_candidates)
 T = TypeVar("T")
 # Ray Serve pickles this module BY VALUE into every process that routes: keep shared state
 # (metrics, the router registry) in app.metrics and reach it through the module (``metrics.X``).
@@ -274,6 +275,8 @@ class PrefixAffinityRouter(RequestRouter):
             uids = self._candidate_set(candidate_replicas).uids
             if request.home_replica is not None:
                 home = self._by_uid.get(request.home_replica)
+                if home is not None and request.warmup == "replicate" and self.state.block_size:
+                    return self._copy_to(home, uids, pending_request, request)
                 if home is not None:
                     return self._home(home, pending_request, request)
                 if request.warmup is not None:  # a joiner's warm request, the joiner gone: not run elsewhere
@@ -321,6 +324,21 @@ class PrefixAffinityRouter(RequestRouter):
             (), len(request.prompt_token_ids), request.block_size or 1, request.prefill_tokens,
             request.bypass_cache, request.request_id), time.time(), time.time_ns())
         return [[home]]
+
+    def _copy_to(self, target: RunningReplica, uids: tuple[str, ...], pending: PendingRequest,
+                 request: EngineRequest) -> list[list[RunningReplica]]:
+        """``[[target]]`` for a hot prefix's copy (``routing.replication``), chosen as a request with the target as
+        its only candidate (decision reason ``only_candidate``): its blocks are predicted on the target and its
+        prefill queued there, so the next routing choices and replication checks see the copy before the target's
+        KV events do."""
+        route_id, uid = pending.metadata.internal_request_id, target.replica_id.unique_id
+        views = self._cset.without(tuple(u for u in uids if u != uid)) if self._cset is not None else None
+        if views is None or len(views) != 1:
+            return self._home(target, pending, request)
+        known = route_id in self.state.requests and self.state.requests[route_id].request is not None
+        self.state.choose(route_id, None if known else self._route_request(request, self.state.block_size or 1),
+                          views, time.time(), time.time_ns())
+        return [[target]]
 
     def _fallback(self, candidates: list[RunningReplica], pending: PendingRequest | None, request: Any,
                   cause: str) -> list[list[RunningReplica]]:
@@ -463,14 +481,15 @@ class PrefixAffinityRouter(RequestRouter):
     def rewarm_release(self, uid: str) -> bool:
         return self.rewarm.release(uid)
 
-    def replication_plan(self, max_copies: int, share: float,
-                         spent_tokens: int) -> list[tuple[WarmPrompt, ReplicationDecision]]:
-        """One replication check (``routing.replication.replication_plan``) over the hottest prefixes, on the
-        replicas that take traffic (joining ones held back are left out): at most one copy, of a prefix no longer
-        than the warm prefill left to spend, ``share`` of the client requests' predicted prefill so far less
+    def replication_plan(self, max_copies: int, share: float, spent_tokens: int,
+                         skip: frozenset[int] = frozenset()) -> list[tuple[WarmPrompt, ReplicationDecision]]:
+        """One replication check (``routing.replication.replication_plan``) over the ``REPLICATION_CANDIDATES``
+        hottest prefixes, on the replicas that take traffic (joining ones held back are left out): at most one
+        copy, of a prefix not in ``skip`` (last block keys: copies that failed lately) and no longer than the
+        prompt tokens left to spend, ``share`` of the client requests' predicted prefill so far less
         ``spent_tokens``. Each prefix priced is counted by its reason (``prefix_serve_replication_checks_total``);
         returns the copy to warm, if any, ``WarmPrompt.source`` as in :meth:`rewarm_join_plan`,
-        ``decision.target`` the replica to pin it to."""
+        ``decision.target`` the replica to pin it to. Costs about 30 microseconds a prefix priced, on this loop."""
         bs = self.state.block_size or self._block_size(list(self.curr_replicas.values())) or self.cfg.block_size
         budget = int(share * self.client_prefill_tokens) - spent_tokens
         if not bs or budget < bs or not len(self.rewarm.hot):
@@ -482,10 +501,10 @@ class PrefixAffinityRouter(RequestRouter):
         if len(cands) < 2:
             return []
         plan = []
-        for w, d in replication_plan(self.rewarm.hot.ranked(now, self.rewarm.hot_candidates),
+        for w, d in replication_plan(self.rewarm.hot.ranked(now, REPLICATION_CANDIDATES),
                                      lambda keys: self.state.views(RouteRequest(keys, len(keys) * bs + 1, bs), cands,
                                                                    now),
-                                     bs, self.state.policy, self.rng, max_copies, limit=1, max_tokens=budget):
+                                     bs, self.state.policy, self.rng, max_copies, skip, limit=1, max_tokens=budget):
             metrics.REPLICATION_CHECKS.labels(reason=d.reason).inc()
             if d.target is not None:
                 plan.append((w, d))
