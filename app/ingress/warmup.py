@@ -222,7 +222,7 @@ class Warmup:
         self.progress = Progress(total=len(self.prompts), state="done" if not self.prompts else "waiting")
         self._task: asyncio.Task | None = None
         self._jobs: set[asyncio.Task] = set()
-        self._copy: asyncio.Task | None = None  # the hot-prefix copy in flight (one at a time)
+        self._copy: asyncio.Future[None] | None = None  # the hot-prefix copy in flight (one at a time)
         self.replicate_spent_tokens = 0  # prompt tokens of the copies sent (the replicate_share bound)
         self._copy_failed: dict[int, float] = {}  # last block key of a prefix whose copy failed -> when to retry
 
@@ -370,7 +370,7 @@ class Warmup:
             if plan:
                 prefix, decision = plan[0]
                 self.replicate_spent_tokens += prefix.tokens  # charged when sent: a failed copy costs its budget too
-                self._copy = cast(asyncio.Task, self._spawn(self._replicate(prefix, decision)))
+                self._copy = self._spawn(self._replicate(prefix, decision))
                 return
 
     async def _replicate(self, prefix: WarmPrompt, decision: Any) -> None:
