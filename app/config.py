@@ -92,9 +92,11 @@ class EngineConfig(_Strict):
                     "been offered this many times (each request that computes it or, loading nothing from the "
                     "tier, hits it on the GPU offers it once); below 2: every block. Native backend only",
     )
-    kv_offloading_eviction_policy: Literal["lru", "arc"] = Field(
-        "lru", description="host-tier eviction, vLLM's eviction_policy: lru, or arc (adaptive replacement: blocks "
-                           "reused since their store outlive blocks stored once). Native backend only",
+    kv_offloading_eviction_policy: Literal["lru", "arc", "reuse_credit"] = Field(
+        "lru", description="host-tier eviction, vLLM's eviction_policy: lru, arc (adaptive replacement: blocks "
+                           "reused since their store outlive blocks stored once), or reuse_credit, the project's "
+                           "own (routing.host_eviction: least recently used, each reuse buying a block extra life; "
+                           "loaded into vLLM as app.engine.host_policy.ReuseCreditPolicy). Native backend only",
     )
     kv_offloading_blocks_per_chunk: int = Field(
         1, ge=1, le=1024,

@@ -88,6 +88,8 @@ def engine_args(cfg: AppArgs, kv_events_topic: str | None = None, otlp_traces_en
                 "self_describing_kv_events": True, "blocks_per_chunk": engine.kv_offloading_blocks_per_chunk,
                 "store_threshold": engine.kv_offloading_store_threshold,
                 "eviction_policy": engine.kv_offloading_eviction_policy}
+            if engine.kv_offloading_eviction_policy == "reuse_credit":  # out of tree: vLLM imports the class
+                extra.update(eviction_policy="ReuseCreditPolicy", cache_policy_module_path="app.engine.host_policy")
             if engine.kv_disk_dir is not None:
                 extra.update(spec_name="TieringOffloadingSpec", secondary_tiers=[disk_tier_config(engine)])
             offload["kv_transfer_config"] = KVTransferConfig(kv_connector_extra_config=extra)

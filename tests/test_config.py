@@ -152,6 +152,26 @@ def test_4090_configs_turn_the_host_tier_on_and_pass_it_to_vllm():
     assert {"name": "kv-disk", "hostPath": {"path": "/mnt/nvme", "type": "DirectoryOrCreate"}} in pod["volumes"]
 
 
+def test_reuse_credit_eviction_reaches_vllm_as_our_out_of_tree_cache_policy():
+    """engine.kv_offloading_eviction_policy: reuse_credit names app.engine.host_policy.ReuseCreditPolicy,
+    which vLLM's factory imports by class name and module path; with the disk tier too (vLLM's tiering
+    spec reads the same two keys for its host tier)."""
+    from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+
+    from app.engine.host_policy import ReuseCreditPolicy
+    from app.frontend import engine_args
+
+    tiny = _app_entry(REPO / "serve_config.yaml")["args"]
+    for extra_engine in ({}, {"kv_disk_dir": "/tmp/kv", "kv_disk_size": 1}):
+        args = parse_app_args({**tiny, "engine": {**tiny["engine"], "kv_offloading_size": 4,
+                                                  "kv_offloading_eviction_policy": "reuse_credit", **extra_engine}})
+        extra = engine_args(args, kv_events_topic="kv@r").kv_transfer_config.kv_connector_extra_config
+        assert (extra["eviction_policy"], extra["cache_policy_module_path"]) == ("ReuseCreditPolicy",
+                                                                                "app.engine.host_policy")
+        assert extra.get("spec_name") == ("TieringOffloadingSpec" if extra_engine else None)
+    assert CachePolicyFactory.get_cache_policy_cls("ReuseCreditPolicy", "app.engine.host_policy") is ReuseCreditPolicy
+
+
 def test_the_cpu_build_refuses_the_host_tier_naming_the_key():
     """This machine runs vLLM's CPU build, whose worker cannot offload: build_app says so before any
     replica starts (vLLM would fail in each engine's worker)."""
@@ -168,6 +188,7 @@ def test_the_cpu_build_refuses_the_host_tier_naming_the_key():
     for bad, needle in (({"kv_offloading_size": 0}, "engine.kv_offloading_size"),
                         ({"kv_offloading_store_threshold": 2}, "kv_offloading_store_threshold tune"),
                         ({"kv_offloading_eviction_policy": "arc"}, "kv_offloading_eviction_policy tune"),
+                        ({"kv_offloading_eviction_policy": "reuse_credit"}, "kv_offloading_eviction_policy tune"),
                         ({"kv_offloading_eviction_policy": "fifo"}, "engine.kv_offloading_eviction_policy"),
                         ({"kv_offloading_size": 1, "kv_offloading_backend": "lmcache",
                           "kv_offloading_store_threshold": 3}, "kv_offloading_store_threshold tune"),

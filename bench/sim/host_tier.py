@@ -18,7 +18,9 @@ one engine block a chunk (``blocks_per_chunk`` 1, the default):
   Below 2 every offered block is stored.
 * **Eviction** (``eviction``, vLLM's ``eviction_policy``): ``lru`` (``LRUCachePolicy``)
   or ``arc`` (``ARCCachePolicy``: new blocks enter T1, a reused block moves to T2, ghost
-  lists B1/B2 of evicted blocks steer the T1 target).  Room is made before a store,
+  lists B1/B2 of evicted blocks steer the T1 target), or the project's ``reuse_credit``
+  (``routing.host_eviction``: LRU where each reuse buys a block extra life; vLLM runs it
+  as an out-of-tree ``CachePolicy``, ``app.engine.host_policy``).  Room is made before a store,
   never by evicting a block of the same offer; a store that cannot get room stores
   nothing (``prepare_store`` returns None).
 * **Recency**: vLLM applies a request's accesses when it finishes, tail first
@@ -54,6 +56,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from routing.events import BlockRemoved, BlockStored, EngineBlockHash, KVEvent
+from routing.host_eviction import ReuseCreditOrder
 
 if TYPE_CHECKING:  # pragma: no cover
     from bench.sim.disk_tier import DiskTier
@@ -169,8 +172,47 @@ class _ARC:
         return [*self.t1, *self.t2]
 
 
-EVICTION_POLICIES = ("lru", "arc")
-"""``eviction`` values: vLLM's built-in ``eviction_policy`` names."""
+class _ReuseCredit:
+    """The project's ``reuse_credit`` order (``routing.host_eviction``; in the engine,
+    ``app.engine.host_policy.ReuseCreditPolicy``): LRU with extra life per reuse."""
+
+    __slots__ = ("order_",)
+
+    def __init__(self, capacity: int) -> None:
+        self.order_: ReuseCreditOrder[int] = ReuseCreditOrder(capacity)
+
+    def __contains__(self, h: int) -> bool:
+        return h in self.order_
+
+    def __len__(self) -> int:
+        return len(self.order_)
+
+    def insert(self, h: int) -> None:
+        self.order_.insert(h)
+
+    def reuse(self, h: int) -> None:
+        self.order_.access(h, reused=True)
+
+    def renew_inserted(self, h: int) -> None:
+        self.order_.access(h, reused=False)
+
+    def store_miss(self, h: int) -> None:
+        pass  # a ghost's count is taken at insert
+
+    def victim(self, protected: set[int]) -> int | None:
+        chosen = self.order_.victims(1, protected)
+        return chosen[0] if chosen else None
+
+    def evict(self, h: int) -> None:
+        self.order_.evict(h)
+
+    def order(self) -> list[int]:
+        return self.order_.order()
+
+
+EVICTION_POLICIES = ("lru", "arc", "reuse_credit")
+"""``eviction`` values: vLLM's built-in ``eviction_policy`` names, and ``reuse_credit``, the
+project's own (``routing.host_eviction``; vLLM loads it as an out-of-tree ``CachePolicy``)."""
 
 
 class HostTier:
@@ -181,7 +223,7 @@ class HostTier:
         block_size: tokens per block.
         self_describing: publish stores with token ids and parents (else placeholders).
         store_threshold: offers a block needs before it is stored (below 2: none).
-        eviction: ``lru`` or ``arc``.
+        eviction: ``lru``, ``arc`` or ``reuse_credit``.
 
     Raises:
         ValueError: a capacity below 1, a negative threshold or an unknown eviction policy.
@@ -203,7 +245,9 @@ class HostTier:
         self.self_describing = self_describing
         self.store_threshold = store_threshold
         self.eviction = eviction
-        self._policy: _LRU | _ARC = _LRU() if eviction == "lru" else _ARC(capacity_blocks)
+        self._policy: _LRU | _ARC | _ReuseCredit = (
+            _LRU() if eviction == "lru" else _ARC(capacity_blocks) if eviction == "arc"
+            else _ReuseCredit(capacity_blocks))
         self.counts: OrderedDict[int, int] | None = OrderedDict() if store_threshold >= 2 else None
         self.stores = 0
         self.evictions = 0
@@ -220,7 +264,7 @@ class HostTier:
     @property
     def blocks(self) -> list[int]:
         """The held blocks in eviction order within each list (LRU: least recently used first;
-        ARC: T1, then T2)."""
+        ARC: T1, then T2; reuse_credit: lowest priority first)."""
         return self._policy.order()
 
     def run(self, hashes: Sequence[int], start: int, limit: int) -> int:

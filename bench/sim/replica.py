@@ -85,7 +85,7 @@ class EngineConfig:
             and parents (vLLM's ``self_describing_kv_events``), else placeholders.
         host_store_threshold: offers a block needs before the host tier stores it
             (vLLM's ``store_threshold``; below 2: every block).
-        host_eviction: the host tier's eviction policy, ``lru`` or ``arc``
+        host_eviction: the host tier's eviction policy, ``lru``, ``arc`` or ``reuse_credit``
             (vLLM's ``eviction_policy``).
         disk_blocks: blocks of its local-disk KV tier behind the host tier (0: none;
             :mod:`bench.sim.disk_tier`, vLLM's tiering ``fs`` tier); needs ``host_blocks``.
