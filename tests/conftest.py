@@ -41,6 +41,11 @@ os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 import ray.serve._private.constants  # noqa: E402,F401 - read now, without the settings
 
 ray_env.apply()
+# Serve holds a stopping direct-ingress replica open for at least this long (its default 30 s) so that load
+# balancers deregister it; HAProxy retries a refused connection on another server. Every module's teardown
+# (and each ingress stop in a test) waited those 30 s, about 6 minutes of the engine suite: 5 s here. A stop
+# still drains in-flight requests for up to graceful_shutdown_timeout_s, which the drain tests exercise.
+os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "5")
 # HAProxy's stats and metrics ports are fixed per machine: the tests' own, so `make serve` may run beside them.
 os.environ.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
 os.environ.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", "19101")
