@@ -108,8 +108,8 @@ def test_4090_configs_turn_the_host_tier_on_and_pass_it_to_vllm():
     kuberay = parse_app_args(yaml.safe_load(_kuberay_doc()["spec"]["serveConfigV2"])["applications"][0]["args"])
     for args in (parse_app_args(_app_entry(REPO / "infra" / "serve_config.4090.yaml")["args"]), kuberay):
         assert args.engine.kv_offloading_size == 32 and args.engine.kv_offloading_backend == "native"
-        # What the simulator found pays on the shared trace (docs/benchmarks.md): fp8 KV, ARC eviction.
-        assert (args.engine.kv_cache_dtype, args.engine.kv_offloading_eviction_policy) == ("fp8", "arc")
+        # What the simulator found pays on the shared trace (docs/benchmarks.md): fp8 KV, our eviction order.
+        assert (args.engine.kv_cache_dtype, args.engine.kv_offloading_eviction_policy) == ("fp8", "reuse_credit")
         assert args.engine.kv_offloading_store_threshold == 0  # admission by count lost 8 to 22 points there
         # A bounded disk tier behind it (docs/benchmarks.md, "A disk tier"), under the Pod's NVMe volume.
         assert (args.engine.kv_disk_dir, args.engine.kv_disk_size) == ("/mnt/nvme/prefix-serve-kv", 512)
