@@ -8,13 +8,16 @@ by how recently it was used, as LRU does, and gives each reuse extra life:
 
     priority = clock at the block's last use + credit * capacity * ln(uses)
 
-where the clock counts block uses (one tick each), ``capacity`` is the tier's size
-in blocks and ``uses`` the block's stores and reuses so far (1 when first stored).
-The block with the lowest priority goes first.  A block stored once ranks exactly
-as in LRU; one used ``u`` times outlives ``credit * ln(u)`` tier-fulls of newer
-single-use blocks.  A block evicted leaves a ghost with its count (at most
-``capacity`` ghosts, oldest dropped first), so a block that comes back resumes its
-count, as ARC's ghost lists remember what it evicted.
+where the clock counts block uses (one tick each: a store, a reuse, a recency
+refresh), ``capacity`` is the tier's size in blocks and ``uses`` the block's stores
+and reuses so far (1 when first stored).  The block with the lowest priority goes
+first.  A block stored once ranks exactly as in LRU; one used ``u`` times outlives
+``credit * capacity * ln(u)`` ticks of newer single-use blocks.  (vLLM's manager and
+the simulator tick a stored block twice, at its store and again at its request's
+end, so that is about ``credit * ln(u) / 2`` tier-fulls of them.)  A block evicted
+leaves a ghost with its count (at most ``capacity`` ghosts, oldest dropped first), so
+a block that comes back resumes its count, as ARC's ghost lists remember what it
+evicted.  A store that fails drops its block without a ghost, as ARC does.
 
 ``credit`` 2.0 (:data:`DEFAULT_CREDIT`) was picked by hand from 0.5, 1, 2 and 4 on a scratch
 replay of the shared trace (one pooled cache, not kept); it is not tuned in the simulator.
@@ -39,7 +42,7 @@ __all__ = ["DEFAULT_CREDIT", "ReuseCreditOrder"]
 K = TypeVar("K", bound=Hashable)
 
 DEFAULT_CREDIT = 2.0
-"""Tier-fulls of life a block gains per natural-log unit of its uses (see the module doc)."""
+"""Life a block gains per natural-log unit of its uses, in ticks per block of capacity (see the module doc)."""
 
 
 class ReuseCreditOrder(Generic[K]):
@@ -47,13 +50,14 @@ class ReuseCreditOrder(Generic[K]):
 
     Args:
         capacity: blocks the tier holds (> 0); also the most ghosts kept.
-        credit: life per ``ln(uses)``, in tier-fulls of block uses (>= 0; 0 is LRU).
+        credit: life per ``ln(uses)``, in ticks per block of capacity (finite, >= 0; 0 is LRU).
 
     A held block is *pinned* while it is being written or read (vLLM's ``ref_cnt``
-    above 0): it keeps its rank but is never a victim until unpinned.
+    not 0: -1 while written, above 0 while read): it keeps its rank but is never a
+    victim until unpinned.
 
     Raises:
-        ValueError: ``capacity`` below 1 or a negative ``credit``.
+        ValueError: ``capacity`` below 1, or ``credit`` negative or not finite.
     """
 
     __slots__ = ("capacity", "credit", "_span", "_clock", "_uses", "_priority", "_stamp", "_pinned", "_heap",
@@ -62,8 +66,8 @@ class ReuseCreditOrder(Generic[K]):
     def __init__(self, capacity: int, credit: float = DEFAULT_CREDIT) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
-        if credit < 0:
-            raise ValueError(f"credit must be >= 0, got {credit}")
+        if not (math.isfinite(credit) and credit >= 0):
+            raise ValueError(f"credit must be finite and >= 0, got {credit}")
         self.capacity = capacity
         self.credit = credit
         self._span = credit * capacity
@@ -196,8 +200,10 @@ class ReuseCreditOrder(Generic[K]):
         self._clock = 0
 
     def order(self) -> list[K]:
-        """Held blocks, first to go first (pinned ones included, at their rank)."""
-        return sorted(self._uses, key=self._priority.__getitem__)
+        """Held blocks, first to go first (pinned ones included, at their rank; ties as :meth:`victims`
+        breaks them, the earlier rank first)."""
+        priority, stamp = self._priority, self._stamp
+        return sorted(self._uses, key=lambda k: (priority[k], stamp[k]))
 
     def _rank(self, key: K) -> None:
         self._clock += 1

@@ -118,13 +118,19 @@ def test_the_order_matches_a_direct_computation_over_random_uses() -> None:
             clock += 1
             uses[k] += reused
             last[k] = clock
-        elif op < 0.9 and k in uses:
+        elif op < 0.85 and k in uses:
             o.pin(k)
             pinned.add(k)
+        elif op < 0.9:  # several victims, some protected: the lowest priorities, earlier rank first on a tie
+            protected = set(rng.sample(sorted(uses), min(3, len(uses))))
+            n = rng.randrange(1, 5)
+            free = sorted((x for x in uses if x not in pinned and x not in protected),
+                          key=lambda x: (last[x] + 1.5 * cap * math.log(uses[x]), last[x]))
+            assert o.victims(n, protected) == (free[:n] if len(free) >= n else None)
         elif k in pinned:
             o.unpin(k)
             pinned.discard(k)
-        assert len(o) == len(uses)
+        assert len(o) == len(uses) and len(o._heap) <= max(64, 2 * len(uses))
         for x in uses:
             assert o.priority(x) == pytest.approx(last[x] + 1.5 * cap * math.log(uses[x]))
 
@@ -224,3 +230,53 @@ def test_vllms_manager_never_evicts_a_chunk_being_loaded_and_fails_the_store_ins
     out = m.prepare_store([c], s)
     # The load reused both, tail first: b (clock 5) and a (6), each 2 uses: b, at 5 + 2 * 2 * ln 2, goes first.
     assert out is not None and list(out.evicted_keys) == [b]
+
+
+def test_vllms_manager_skips_a_pinned_lowest_chunk_and_evicts_the_next_one() -> None:
+    """a, b, c stored one a request (a lowest); a load pins a; a store of d must evict b. A policy that
+    ignored pins would hand vLLM the loading chunk (its ref_cnt assertion in the adapter trips)."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    m = _manager("ReuseCreditPolicy", "app.engine.host_policy", 3)
+    a, b, c, d = (_key(i) for i in range(1, 5))
+    for req, key in (("A", a), ("B", b), ("C", c)):
+        _store(m, req, [key])
+    ctx = ReqContext(req_id="L")
+    m.on_new_request(ctx)
+    m.prepare_load([a], ctx)
+    assert _store(m, "D", [d]) == [b]
+    m.complete_load([a], ctx)
+    m.on_request_finished(ctx)
+
+
+def test_vllms_manager_a_failed_store_a_held_offer_and_a_reset_keep_policy_and_manager_in_step() -> None:
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    m = _manager("ReuseCreditPolicy", "app.engine.host_policy", 2)
+    a, b, c = _key(1), _key(2), _key(3)
+    ctx = ReqContext(req_id="F")
+    m.on_new_request(ctx)
+    out = m.prepare_store([a], ctx)
+    assert out is not None
+    m.complete_store([a], ctx, success=False)  # the copy failed: the chunk is dropped
+    m.on_request_finished(ctx)
+    policy = m._policy
+    assert m.lookup(a, None) == LookupResult.MISS and a not in policy.order and not policy.chunks
+    _store(m, "A", [a, b])
+    # An offer of held a with new c: a is protected (vLLM never evicts its own offer), b goes.
+    assert _store(m, "C", [a, c]) == [b]
+    assert policy.order.uses(a) == 2  # the repeat offer counts a reuse
+    m.reset_cache()
+    assert len(policy.order) == 0 and not policy.chunks
+    assert _store(m, "R", [a]) == [] and policy.order.uses(a) == 1  # ghosts went with the reset
+
+
+def test_order_breaks_ties_as_victims_do() -> None:
+    o = ReuseCreditOrder(1, credit=1 / math.log(2))  # credit * capacity * ln 2 = 1 tick
+    o.insert("x")  # clock 1, 1 use: priority 1
+    o.access("x", reused=True)  # clock 2, 2 uses: 2 + 1 = 3
+    o.insert("y")  # clock 3: 3
+    assert o.priority("x") == pytest.approx(o.priority("y"))
+    assert o.order() == o.victims(2)
+    with pytest.raises(ValueError):
+        ReuseCreditOrder(4, credit=math.inf)

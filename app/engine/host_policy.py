@@ -47,8 +47,8 @@ class ReuseCreditPolicy(CachePolicy):
         return self.chunks.get(key)
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
-        self.chunks[key] = chunk
         self.order.insert(key, pinned=chunk.ref_cnt != 0)
+        self.chunks[key] = chunk
 
     def remove(self, key: OffloadKey) -> None:
         del self.chunks[key]

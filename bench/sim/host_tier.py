@@ -44,9 +44,13 @@ A block is identified by its hash, which in the simulator is the router's block 
 (``bench.sim.block_pool``).  Not modelled: the copy's own time (it runs beside the
 engine's steps; vLLM publishes a store, and lets it be loaded, once the copy is done),
 pinning of blocks being loaded or written (a load takes milliseconds; vLLM retries a
-store that found no room), and a block-aligned prompt's last block (the replica looks
+store that found no room), a block-aligned prompt's last block (the replica looks
 up ``(T - 1) // block_size`` blocks, vLLM ``T // block_size`` and recomputes the last
-token: one block fewer loaded for such prompts).
+token: one block fewer loaded for such prompts), and vLLM's rule that a request counts a
+block's reuse once and never for a block it inserted itself: a request that promotes
+blocks from a disk tier counts a reuse for each host-held block of the run at the
+promotion and again at the load, and one for each promoted block at the load (ARC moves
+them to T2, ``reuse_credit`` credits them; LRU is unaffected).
 """
 
 from __future__ import annotations
