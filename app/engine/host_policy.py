@@ -11,8 +11,8 @@ host tier runs the same code.
 What counts as a use follows vLLM's own policies (``ARCCachePolicy``): a store, and each
 request that reused the chunk (loaded it, or offered it again while held), applied when the
 request finishes, tail first (``on_request_finished``'s ``reused_keys``). ``touch`` refreshes
-recency only, as ``LRUCachePolicy`` does. A chunk in a transfer (``ref_cnt`` above 0) is
-never evicted (``mark_non_evictable``).
+recency only, as ``LRUCachePolicy`` does. A chunk in a transfer (``ref_cnt`` not 0: -1 while
+it is written, above 0 while it is read) is never evicted (``insert``, ``mark_non_evictable``).
 
 Runs in vLLM's engine-core process (the scheduler thread). The CPU build of vLLM cannot
 offload, so on this project's machines it is exercised under vLLM's own ``CPUOffloadingManager``
